@@ -1,0 +1,13 @@
+"""rkv — Rolling KV: exact long-context decoding with a device window and a pinned-host tail.
+
+Dimension glossary (shape letters used in every docstring and comment):
+  B batch · T query length · S key/value length · H query heads · K kv heads · G = H/K group ·
+  D head dim · W window cells · P tail cells · L layers.
+Layouts follow ``jax.nn.dot_product_attention``: q ``[B,T,H,D]``, k/v ``[B,S,K,D]``, o ``[B,T,H,D]``.
+LSE is natural-log float32 ``[B,T,H]``; a row that sees no key has ``o = 0`` and ``lse = -inf``.
+"""
+
+from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials
+
+__all__ = ["attention", "attention_reference", "attention_xla", "merge", "merge_partials"]
+__version__ = "0.1.0"

@@ -1,0 +1,234 @@
+"""Exact attention with its log-sum-exp: the reference, the portable jnp path, merges, dispatch.
+
+Every backend returns ``(o, lse)``: ``o [B,T,H,D]`` in q's dtype and ``lse [B,T,H]`` float32 in
+natural log. A row that sees no key returns ``o = 0`` and ``lse = -inf``. Because the LSE is
+returned, attention over disjoint key sets (a device window and a host tail, or split-K chunks)
+combines exactly with :func:`merge`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rkv import validation
+
+IMPLS = ("auto", "reference", "xla", "pallas")
+# The decode kernel packs the G query heads of T tokens into one tile; past 16 tokens the prefill
+# kernel's query tiles are fuller (rkv/pallas/decode_attention.py).
+MAX_DECODE_QUERIES = 16
+_XLA_BLOCK_K = 512
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks and small helpers shared by the jnp paths
+# ----------------------------------------------------------------------------------------------
+def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, window: int | None) -> jax.Array:
+  """``[B,T,S]`` bool: key j is visible to query i (DESIGN.md §3)."""
+  qp = q_pos[:, :, None]
+  kp = k_pos[:, None, :]
+  mask = kp >= 0
+  if causal:
+    mask = mask & (kp <= qp)
+  if window is not None:
+    mask = mask & (qp - kp < window)
+  return mask
+
+
+def _dequantize(x: jax.Array, x_scale: jax.Array | None) -> jax.Array:
+  if x_scale is None:
+    return x.astype(jnp.float32)
+  return x.astype(jnp.float32) * x_scale.astype(jnp.float32)[..., None]
+
+
+def _dot_precision(dtype) -> dict:
+  # float32 inputs get full-precision dots (no TF32 on GPU); 16-bit inputs feed the matrix
+  # units directly and accumulate in float32.
+  if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
+    return dict(precision=_HIGHEST)
+  return dict(preferred_element_type=jnp.float32)
+
+
+def _softcap(logits: jax.Array, softcap: float | None) -> jax.Array:
+  return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def _finish(o_acc, row_sum, row_max, out_dtype):
+  """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``."""
+  seen = row_sum > 0
+  o = jnp.where(seen[..., None], o_acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+  return o.astype(out_dtype), lse.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference: float32 einsum over the full [T,S] logits
+# ----------------------------------------------------------------------------------------------
+def attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                        causal=True, window=None, softcap=None, scale=None):
+  """Float32 attention that materializes every logit: the yardstick for the fast paths."""
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   where="attention_reference")
+  return _reference(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal,
+                    window=window, softcap=softcap, scale=args.scale)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "softcap", "scale"))
+def _reference(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale):
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  valid = (k_pos >= 0)[:, :, None, None]
+  # Empty slots may hold NaN; zero them so that 0 * NaN cannot reach the output.
+  kf = jnp.where(valid, _dequantize(k, k_scale), 0.0)
+  vf = jnp.where(valid, _dequantize(v, v_scale), 0.0)
+  qf = q.astype(jnp.float32).reshape(b, t, kh, h // kh, d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qf, kf, precision=_HIGHEST) * scale
+  logits = _softcap(logits, softcap)
+  mask = visible(q_pos, k_pos, causal=causal, window=window)[:, None, None]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1)
+  safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  p = jnp.where(mask, jnp.exp(logits - safe_max[..., None]), 0.0)
+  o_acc = jnp.einsum("bkgts,bskd->bkgtd", p, vf, precision=_HIGHEST)
+  o, lse = _finish(o_acc, p.sum(-1), safe_max, q.dtype)
+  return (jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, d),
+          jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h))
+
+
+# ----------------------------------------------------------------------------------------------
+# xla: tiled online softmax in plain jnp, [T, block] logits at a time
+# ----------------------------------------------------------------------------------------------
+def attention_xla(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
+                  window=None, softcap=None, scale=None, block_k: int = _XLA_BLOCK_K):
+  """Portable flash attention: never materializes ``[T,S]``, runs on any backend."""
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   where="attention_xla")
+  if not isinstance(block_k, int) or block_k < 1:
+    raise ValueError(f"attention_xla: block_k must be a positive int, got {block_k!r}")
+  return _xla(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal, window=window,
+              softcap=softcap, scale=args.scale, block_k=min(block_k, args.kv_len))
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "window", "softcap", "scale", "block_k"))
+def _xla(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale, block_k):
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = h // kh
+  n_blocks = -(-s // block_k)
+  pad = n_blocks * block_k - s
+  if pad:
+    # Padding cells are empty slots (k_pos = -1): masked like any hole.
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k_pos = jnp.pad(k_pos, ((0, 0), (0, pad)), constant_values=-1)
+    if k_scale is not None:
+      k_scale = jnp.pad(k_scale, ((0, 0), (0, pad), (0, 0)))
+      v_scale = jnp.pad(v_scale, ((0, 0), (0, pad), (0, 0)))
+  compute_dtype = jnp.float32 if k_scale is not None else jnp.promote_types(q.dtype, k.dtype)
+  qf = (q.astype(jnp.float32) * scale).astype(compute_dtype).reshape(b, t, kh, g, d)
+
+  def block(i, carry):
+    row_max, row_sum, o_acc = carry
+    start = i * block_k
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block_k, axis=1)
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block_k, axis=1)
+    pb = jax.lax.dynamic_slice_in_dim(k_pos, start, block_k, axis=1)
+    valid = (pb >= 0)[:, :, None, None]
+    if k_scale is not None:
+      kb = _dequantize(kb, jax.lax.dynamic_slice_in_dim(k_scale, start, block_k, axis=1))
+      vb = _dequantize(vb, jax.lax.dynamic_slice_in_dim(v_scale, start, block_k, axis=1))
+    kb = jnp.where(valid, kb, 0).astype(compute_dtype)
+    vb = jnp.where(valid, vb, 0).astype(compute_dtype)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qf, kb, **_dot_precision(compute_dtype))
+    logits = _softcap(logits.astype(jnp.float32), softcap)
+    mask = visible(q_pos, pb, causal=causal, window=window)[:, None, None]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    new_max = jnp.maximum(row_max, logits.max(-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - safe_max[..., None]), 0.0)
+    alpha = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, 0.0) - safe_max)
+    alpha = jnp.where(jnp.isfinite(row_max), alpha, 0.0)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(compute_dtype), vb,
+                    **_dot_precision(compute_dtype))
+    return new_max, alpha * row_sum + p.sum(-1), alpha[..., None] * o_acc + pv
+
+  init = (jnp.full((b, kh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+          jnp.zeros((b, kh, g, t, d), jnp.float32))
+  row_max, row_sum, o_acc = jax.lax.fori_loop(0, n_blocks, block, init)
+  safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  o, lse = _finish(o_acc, row_sum, safe_max, q.dtype)
+  return (jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, d),
+          jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h))
+
+
+# ----------------------------------------------------------------------------------------------
+# merge: exact LSE-weighted combination of partials over disjoint key sets
+# ----------------------------------------------------------------------------------------------
+def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):
+  """Combines two partials ``(o [B,T,H,D], lse [B,T,H])`` into attention over the union.
+
+  Exact: ``lse = log(e^lse_a + e^lse_b)`` and ``o = (e^lse_a o_a + e^lse_b o_b) / e^lse``. A side
+  that saw no key (``lse = -inf``) contributes nothing; both empty gives ``o = 0, lse = -inf``.
+  """
+  if jnp.shape(o_a) != jnp.shape(o_b):
+    raise ValueError(f"merge: o_b shape {jnp.shape(o_b)} must equal o_a shape {jnp.shape(o_a)}")
+  if jnp.shape(lse_a) != jnp.shape(lse_b) or jnp.shape(lse_a) != jnp.shape(o_a)[:-1]:
+    raise ValueError(f"merge: lse_a/lse_b must have shape {jnp.shape(o_a)[:-1]}, got "
+                     f"{jnp.shape(lse_a)} and {jnp.shape(lse_b)}")
+  return merge_partials(jnp.stack([o_a, o_b.astype(o_a.dtype)]), jnp.stack([lse_a, lse_b]))
+
+
+@jax.jit
+def merge_partials(o: jax.Array, lse: jax.Array):
+  """Merges N partials stacked on a leading axis: ``o [N,...,D]``, ``lse [N,...]``."""
+  lse = lse.astype(jnp.float32)
+  top = jnp.max(lse, axis=0)
+  safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)  # [N,...], each <= 1
+  total = w.sum(0)
+  seen = total > 0
+  o_sum = jnp.einsum("n...,n...d->...d", w, o.astype(jnp.float32), precision=_HIGHEST)
+  o_out = jnp.where(seen[..., None], o_sum / jnp.where(seen, total, 1.0)[..., None], 0.0)
+  lse_out = jnp.where(seen, safe_top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return o_out.astype(o.dtype), lse_out
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+def resolve_impl(impl: str, q_len: int) -> str:
+  """``auto``: the Pallas kernels on a GPU, the jnp path elsewhere (interpret mode is for tests)."""
+  validation.check_choice("attention", "impl", impl, IMPLS)
+  if impl == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return impl
+
+
+def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, softcap=None,
+              scale=None, impl="auto", k_scale=None, v_scale=None, block_sizes=None):
+  """Exact attention ``(o [B,T,H,D], lse [B,T,H])`` with masks from positions (DESIGN.md §3).
+
+  ``impl``: ``"reference"`` (float32 einsum), ``"xla"`` (tiled jnp online softmax), ``"pallas"``
+  (the decode kernel for T <= 16, the flash kernel above; ``interpret=True`` on CPU), ``"auto"``.
+  int8 K/V take ``k_scale``/``v_scale`` ``[B,S,K]``. ``block_sizes`` goes to the Pallas kernel.
+  """
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale)
+  impl = resolve_impl(impl, args.q_len)
+  kw = dict(q_pos=args.q_pos, k_pos=args.k_pos, k_scale=k_scale, v_scale=v_scale, causal=causal,
+            window=window, softcap=softcap, scale=args.scale)
+  if impl == "reference":
+    return attention_reference(q, k, v, **kw)
+  if impl == "xla":
+    return attention_xla(q, k, v, **kw)
+  if args.q_len <= MAX_DECODE_QUERIES:
+    from rkv.pallas import decode_attention as kernel
+    return kernel.decode_attention(q, k, v, block_sizes=block_sizes, **kw)
+  from rkv.pallas import flash_attention as kernel
+  return kernel.flash_attention(q, k, v, block_sizes=block_sizes, **kw)

@@ -1,0 +1,118 @@
+"""Input validation and positional defaults shared by every attention backend.
+
+Every public entry point (``rkv.attention``, each Pallas wrapper, the rolling cache) funnels its
+arguments through :func:`attention_args` so that a bad call fails the same way, with a
+``ValueError`` naming the argument, whichever backend it would have reached.
+
+Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H / K, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionArgs:
+  """Validated arguments: positions filled in, scale resolved, dims named."""
+
+  q_pos: jax.Array  # [B,T] int32
+  k_pos: jax.Array  # [B,S] int32
+  scale: float
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def default_positions(batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+  """``k_pos = arange(S)``, ``q_pos = S - T + arange(T)``: the queries are the last T keys."""
+  k_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
+  q_pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32) + (kv_len - q_len), (batch, q_len))
+  return q_pos, k_pos
+
+
+def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                   window=None, softcap=None, scale=None, where: str = "attention") -> AttentionArgs:
+  """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
+
+  ``k_scale``/``v_scale`` (``[B,S,K]`` float) must be given exactly when K/V are int8.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if len(_shape(x)) != 4:
+      raise ValueError(f"{where}: {name} must be rank 4 ({'[B,T,H,D]' if name == 'q' else '[B,S,K,D]'}),"
+                       f" got shape {_shape(x)}")
+  b, t, h, d = _shape(q)
+  bk, s, kh, dk = _shape(k)
+  if _shape(v) != _shape(k):
+    raise ValueError(f"{where}: v shape {_shape(v)} must equal k shape {_shape(k)}")
+  if bk != b:
+    raise ValueError(f"{where}: k batch {bk} must equal q batch {b}")
+  if dk != d:
+    raise ValueError(f"{where}: k head dim {dk} must equal q head dim {d}")
+  if kh == 0 or h % kh != 0:
+    raise ValueError(f"{where}: q heads H={h} must be a multiple of kv heads K={kh}")
+  if t == 0 or d == 0:
+    raise ValueError(f"{where}: q must have T >= 1 and D >= 1, got shape {_shape(q)}")
+  if jnp.dtype(q.dtype) not in [jnp.dtype(x) for x in QUERY_DTYPES]:
+    raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q.dtype}")
+  if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
+    raise ValueError(f"{where}: k dtype {k.dtype} must equal v dtype {v.dtype}")
+  if jnp.dtype(k.dtype) == jnp.dtype(jnp.int8):
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+      if sc is None:
+        raise ValueError(f"{where}: int8 k/v need {name} of shape [B,S,K]={(b, s, kh)}")
+      if _shape(sc) != (b, s, kh):
+        raise ValueError(f"{where}: {name} must have shape [B,S,K]={(b, s, kh)}, got {_shape(sc)}")
+      if not jnp.issubdtype(sc.dtype, jnp.floating):
+        raise ValueError(f"{where}: {name} must be a float array, got {sc.dtype}")
+  elif jnp.dtype(k.dtype) in [jnp.dtype(x) for x in FLOAT_KV_DTYPES]:
+    if k_scale is not None or v_scale is not None:
+      raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got k dtype {k.dtype}")
+  else:
+    raise ValueError(f"{where}: k/v dtype must be bfloat16, float16, float32 or int8, got {k.dtype}")
+
+  if q_pos is None or k_pos is None:
+    dq, dk_ = default_positions(b, t, s)
+    q_pos = dq if q_pos is None else q_pos
+    k_pos = dk_ if k_pos is None else k_pos
+  for name, pos, want in (("q_pos", q_pos, (b, t)), ("k_pos", k_pos, (b, s))):
+    if _shape(pos) != want:
+      raise ValueError(f"{where}: {name} must have shape {want}, got {_shape(pos)}")
+    if not jnp.issubdtype(jnp.asarray(pos).dtype, jnp.integer):
+      raise ValueError(f"{where}: {name} must be an integer array, got {jnp.asarray(pos).dtype}")
+  q_pos = jnp.asarray(q_pos, jnp.int32)
+  k_pos = jnp.asarray(k_pos, jnp.int32)
+
+  if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
+    raise ValueError(f"{where}: window must be None or a positive int, got {window!r}")
+  if softcap is not None and not (float(softcap) > 0):
+    raise ValueError(f"{where}: softcap must be None or > 0, got {softcap!r}")
+  if scale is None:
+    scale = float(d) ** -0.5
+  elif not (float(scale) > 0):
+    raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
+  return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=float(scale), batch=b, q_len=t, kv_len=s,
+                       num_heads=h, num_kv_heads=kh, head_dim=d)
+
+
+def check_choice(where: str, name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{where}: {name} must be one of {tuple(choices)}, got {value!r}")

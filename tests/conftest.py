@@ -1,0 +1,18 @@
+"""Shared test set-up: repo root importable (tests.numpy_reference), `gpu` marker skipped without a GPU."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_collection_modifyitems(config, items):
+  import jax
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU; runs on the H200 only")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
