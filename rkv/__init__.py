@@ -8,6 +8,10 @@ LSE is natural-log float32 ``[B,T,H]``; a row that sees no key has ``o = 0`` and
 """
 
 from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials
+from rkv import cache, offload
+from rkv.cache import KVBlock, RollingKV
+from rkv.rolling import rolling_attention
 
-__all__ = ["attention", "attention_reference", "attention_xla", "merge", "merge_partials"]
+__all__ = ["KVBlock", "RollingKV", "attention", "attention_reference", "attention_xla", "cache",
+           "merge", "merge_partials", "offload", "rolling_attention"]
 __version__ = "0.1.0"

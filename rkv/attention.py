@@ -221,7 +221,9 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, soft
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale)
   impl = resolve_impl(impl, args.q_len)
-  kw = dict(q_pos=args.q_pos, k_pos=args.k_pos, k_scale=k_scale, v_scale=v_scale, causal=causal,
+  # The caller's positions go through unchanged: with k_pos=None the kernels know the keys are
+  # arange(S) and take their cheaper default-positions path.
+  kw = dict(q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale, causal=causal,
             window=window, softcap=softcap, scale=args.scale)
   if impl == "reference":
     return attention_reference(q, k, v, **kw)

@@ -1,0 +1,37 @@
+"""Kernel benchmark: rkv's Pallas decode/prefill kernels against cuDNN and XLA in one run.
+
+On the H200 (writes benchmarks/results/kernel_bench_h200.json):
+  python -m experiments.kernel_bench --out=benchmarks/results/kernel_bench_h200.json --tokamax
+On a CPU (the self-check the README's demo runs; kernels in interpret mode, small shapes):
+  python -m experiments.kernel_bench --quick
+Sweep block sizes (JSON lists of BlockSizes overrides):
+  python -m experiments.kernel_bench --sweep_decode='[{"block_k": 256, "num_warps": 4}]'
+"""
+
+from absl import app
+from absl import flags
+
+from rkv import benchmarking
+from rkv import kernel_bench
+
+_QUICK = flags.DEFINE_bool("quick", False, "Small shapes (CPU self-check) instead of the H200 shapes.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the JSON result (none: print only).")
+_TOKAMAX = flags.DEFINE_bool("tokamax", False, "Add tokamax's Mosaic attention as a prefill peer.")
+_SWEEP_DECODE = flags.DEFINE_string("sweep_decode", "", "JSON list of decode BlockSizes overrides.")
+_SWEEP_PREFILL = flags.DEFINE_string("sweep_prefill", "", "JSON list of flash BlockSizes overrides.")
+_N_OUTER = flags.DEFINE_integer("n_outer", 7, "Timed batches per contender (the median is reported).")
+
+
+def main(argv):
+  del argv
+  result = kernel_bench.run(quick=_QUICK.value, use_tokamax=_TOKAMAX.value, n_outer=_N_OUTER.value,
+                            sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value),
+                            sweep_prefill=kernel_bench.parse_sweep(_SWEEP_PREFILL.value))
+  print(benchmarking.format_table(result["rows"], kernel_bench.COLUMNS))
+  if _OUT.value:
+    benchmarking.write_json(_OUT.value, result)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,55 @@
+"""Rolling-cache decode benchmark: streamed host tail vs the performance model (DESIGN.md §6).
+
+On the H200 (bf16, H=32, K=8, D=128, B=1 decode), for each context and window fraction: the
+measured step time per stream schedule and tile size, the model time max(window kernel, tail
+bytes / measured H2D rate), the tail's achieved GB/s, the resident and naive-offload baselines,
+the async transfer ops in each compiled program, and the append/flush cost. Writes JSON.
+
+Example (H200):
+  .venv/bin/python -m experiments.rolling_bench --contexts=131072,524288,1048576 \
+      --window_fractions=1.0,0.75,0.5,0.25 --schedules=scan,unrolled --tile_cells=16384,32768
+CPU smoke run:
+  .venv/bin/python -m experiments.rolling_bench --contexts=256 --tile_cells=32 --repeats=2 \
+      --out=/tmp/rolling_bench.json
+"""
+
+from absl import app, flags
+
+from rkv.offload import bench
+
+_CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"], "Context lengths (cells).")
+_FRACTIONS = flags.DEFINE_list("window_fractions", ["1.0", "0.75", "0.5", "0.25"],
+                               "Share of the context held in the device window.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["scan", "unrolled"], "Stream schedules to compare.")
+_TILES = flags.DEFINE_list("tile_cells", ["32768"], "Tail tile sizes (cells) to compare.")
+_LOOKAHEAD = flags.DEFINE_integer("lookahead", 1, "Tiles requested ahead of the attended one.")
+_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
+_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "int8"],
+                           "KV dtype (int8: quantized cache, bf16 queries).")
+_IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"],
+                          "Backend of the device partials.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs; the median is reported.")
+_APPENDS = flags.DEFINE_integer("append_steps", 16, "One-token appends timed per tail size.")
+_OUT = flags.DEFINE_string("out", "benchmarks/results/rolling_bench.json", "JSON output path.")
+
+
+def main(argv):
+  del argv
+  cfg = bench.BenchConfig(
+      contexts=tuple(int(x) for x in _CONTEXTS.value),
+      window_fractions=tuple(float(x) for x in _FRACTIONS.value),
+      schedules=tuple(_SCHEDULES.value), tile_cells=tuple(int(x) for x in _TILES.value),
+      lookahead=_LOOKAHEAD.value, num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
+      head_dim=_HEAD_DIM.value, dtype=_DTYPE.value, impl=_IMPL.value, warmup=_WARMUP.value,
+      repeats=_REPEATS.value, append_steps=_APPENDS.value)
+  result = bench.run(cfg)
+  bench.write_json(result, _OUT.value)
+  print(bench.format_table(result))
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,95 @@
+"""Timing helpers shared by the benchmark scripts (never used by tests: speed is not a test).
+
+Timing method (METHOD.md of the device library): warm up first so compilation stays out, then time
+``n_inner`` back-to-back calls and block on the last one: JAX dispatch is asynchronous, so the
+host's launch overhead overlaps the device's work and the figure is device time per call. The
+reported figure is the median of ``n_outer`` such batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  median_s: float
+  min_s: float
+  max_s: float
+  n_outer: int
+  n_inner: int
+
+  def as_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+def _block(x):
+  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def time_fn(fn: Callable[..., Any], *args, n_warmup: int = 2, n_outer: int = 7,
+            n_inner: int = 5, target_s: float | None = None) -> Timing:
+  """Median seconds per call of ``fn(*args)``.
+
+  With ``target_s``, ``n_inner`` grows until one batch lasts about that long (short kernels need
+  many calls per batch for the launch overhead to hide).
+  """
+  for _ in range(n_warmup):
+    _block(fn(*args))
+  if target_s is not None:
+    t0 = time.perf_counter()
+    _block(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    n_inner = max(1, min(1000, int(target_s / one)))
+  samples = []
+  for _ in range(n_outer):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(n_inner):
+      out = fn(*args)
+    _block(out)
+    samples.append((time.perf_counter() - t0) / n_inner)
+  return Timing(statistics.median(samples), min(samples), max(samples), n_outer, n_inner)
+
+
+def environment() -> dict[str, Any]:
+  """What the figures were measured on."""
+  dev = jax.devices()[0]
+  return dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
+              platform=platform.platform(), python=platform.python_version(),
+              time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, sort_keys=False, default=str)
+    f.write("\n")
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+  """A plain fixed-width table of the given columns (missing cells print as '-').
+
+  Columns that no row has are left out.
+  """
+  columns = [c for c in columns if any(c in r for r in rows)]
+  def cell(v):
+    if v is None:
+      return "-"
+    if isinstance(v, float):
+      return f"{v:.4g}"
+    return str(v)
+  cells = [[cell(r.get(c)) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+            for i, c in enumerate(columns)]
+  lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+  lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+  return "\n".join(lines)

@@ -1,0 +1,606 @@
+"""KV cache pytrees: :class:`RollingKV` = device window + device staging tile + pinned-host tail.
+
+Cells fill in order: the first ``W = window_cells`` go to the **window** (device, ``[B,W,K,D]``),
+every later cell is **tail**-bound. Tail-bound cells are first written to a one-tile **staging**
+buffer on the device (``[B,tile,K,D]``); when it is full it is **flushed** to the host tail
+(``pinned_host``, ``[N,B,tile,K,D]``: tile axis leading so a jit slices one tile as one DMA).
+Positions (``k_pos``, int32, -1 = empty) live on the device for all three parts: 4 bytes a cell
+is 0.1% of a bf16 cell at K=8, D=128, and masks then need no transfer. int8 caches keep a scale
+per (token, KV head) next to each part (host for the tail): the tail crosses PCIe at about half
+the bf16 bytes and is dequantized on the device. Attention over the cache
+(:func:`rkv.rolling_attention`) is the exact LSE merge of window, staging and tail partials, so
+where a cell lives never changes the result.
+
+Flush design (why O(tile)): the tail is preallocated for ``capacity`` and a flush is one jitted
+``dynamic_update_slice`` of the host tail with ``donate_argnums`` on it, the update being the
+staging tile moved to ``jax.memory.Space.Host``. Donation lets XLA alias the output to the input
+(``input_output_alias`` in the compiled module), so only the tile's bytes are written: verified on
+CPU (jax 0.11.2) by an unchanged buffer pointer and by ``cost_analysis()["bytes accessed"]`` being
+identical for tails of 4 and 64 tiles (without donation it grows with the tail). It is XLA's
+"MoveToHost → dynamic-update-slice into host memory" pattern, which the GPU host offloader turns
+into an async device→host DMA; ``tests/cache_test.py`` checks the same invariants on any backend,
+so the H200 run proves it there. The alternative (a tuple of per-tile host arrays, a flush
+replacing one leaf) is O(tile) by construction but cannot be sliced by a ``lax.fori_loop``, so
+the scan schedule would need a whole-tail stack per step.
+
+The fill level is static metadata (a Python int in the pytree's treedef): every placement
+decision — window or staging, whether to flush, which tail tile — is then plain Python, and no
+host write ever sits under a traced condition (which XLA cannot turn into DMA). The jitted writers
+take their offsets as traced scalars, so a changing fill does not recompile them; ``append`` and
+``rolling_attention`` jit internally and are meant to be called eagerly per layer and step. An
+outer ``jit`` over a function taking the cache retraces whenever the fill changes.
+
+``append`` donates the buffers it writes: the cache passed in must not be used afterwards
+(the usual in-place KV cache contract; the returned cache is the live one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkv.offload import memory
+
+DEFAULT_TILE_CELLS = 32768  # DESIGN.md §5: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
+FORMAT = "rkv.RollingKV"
+FORMAT_VERSION = 1
+_ARRAY_NAMES = ("k", "v", "pos", "k_scale", "v_scale")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pytrees
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KVBlock:
+  """Cells of one storage part. ``k, v [...,S,K,D]``, ``pos [...,S]`` int32 (-1: empty slot),
+  ``k_scale, v_scale [...,S,K]`` float32 for int8 K/V, else None. Window and staging are
+  ``[B,S,...]``; the tail is ``[N,B,tile,...]``."""
+
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(KVBlock, data_fields=list(_ARRAY_NAMES), meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class RollingKV:
+  """One layer's KV cache: ``window`` (device), ``staging`` (device), ``tail`` (pinned_host).
+
+  Static fields: ``window_cells`` W, ``tile_cells``, ``capacity`` (W + P), ``fill`` (cells
+  written). ``W == capacity`` means no tail and no staging: attention is the resident path.
+  """
+
+  window: KVBlock
+  staging: KVBlock
+  tail: KVBlock
+  window_cells: int
+  tile_cells: int
+  capacity: int
+  fill: int
+
+  def __repr__(self):
+    return (f"RollingKV(B={self.batch}, K={self.num_kv_heads}, D={self.head_dim}, "
+            f"dtype={np.dtype(self.dtype).name}, fill={self.fill}/{self.capacity}, "
+            f"W={self.window_cells}, tile={self.tile_cells}, tail_tiles={self.n_full_tiles}/"
+            f"{self.n_tail_tiles}, staged={self.n_staged})")
+
+  # --- derived sizes (all static) ---
+  @property
+  def batch(self) -> int:
+    return self.window.k.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.window.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.window.k.shape[3]
+
+  @property
+  def dtype(self):
+    return self.window.k.dtype
+
+  @property
+  def quantized(self) -> bool:
+    return self.window.k_scale is not None
+
+  @property
+  def tail_cells(self) -> int:
+    """P: cells beyond the window (host tail plus the staging tile)."""
+    return self.capacity - self.window_cells
+
+  @property
+  def n_tail_tiles(self) -> int:
+    """Tiles allocated in the host tail (a last partial tile stays in staging)."""
+    return self.tail.pos.shape[0]
+
+  @property
+  def window_fill(self) -> int:
+    return min(self.fill, self.window_cells)
+
+  @property
+  def n_full_tiles(self) -> int:
+    """Tail tiles holding data: the ones attention streams."""
+    return max(self.fill - self.window_cells, 0) // self.tile_cells
+
+  @property
+  def n_staged(self) -> int:
+    return max(self.fill - self.window_cells, 0) % self.tile_cells
+
+  def nbytes(self, part: str) -> int:
+    """Bytes of K, V and scales of ``part`` in ``("window", "staging", "tail")``."""
+    block = getattr(self, part)
+    return sum(x.nbytes for x in (block.k, block.v, block.k_scale, block.v_scale) if x is not None)
+
+  # --- constructors and writes ---
+  @classmethod
+  def from_arrays(cls, k, v, *, window_cells: int, k_pos=None, k_scale=None, v_scale=None,
+                  capacity: int | None = None, tile_cells: int = DEFAULT_TILE_CELLS,
+                  dtype=None) -> "RollingKV":
+    """A cache holding ``k, v [B,S,K,D]`` (cells in order), W of them on the device.
+
+    ``k_pos [B,S]`` defaults to ``arange(S)``. ``capacity`` (default S) leaves room for appends.
+    ``dtype`` (default k's) may be ``int8``: float K/V are then quantized per (token, KV head);
+    int8 K/V must come with ``k_scale, v_scale [B,S,K]``. Numpy inputs are assembled on the host
+    and never visit the device beyond the window and staging cells.
+    """
+    return _assemble(k, v, k_pos, k_scale, v_scale, window_cells=window_cells,
+                     capacity=capacity, tile_cells=tile_cells, dtype=dtype,
+                     where="RollingKV.from_arrays")
+
+  @classmethod
+  def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+            window_cells: int, dtype=jnp.bfloat16,
+            tile_cells: int = DEFAULT_TILE_CELLS) -> "RollingKV":
+    """An empty cache for decoding: ``capacity`` cells, the first ``window_cells`` on the device."""
+    for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+      if not _is_int(val) or val < 1:
+        raise ValueError(f"RollingKV.empty: {name} must be a positive int, got {val!r}")
+    dt = _kv_dtype(dtype, "RollingKV.empty", "dtype")
+    zeros = np.zeros((batch, 0, num_kv_heads, head_dim), dt)
+    scales = np.zeros((batch, 0, num_kv_heads), np.float32) if dt == np.dtype(np.int8) else None
+    return _assemble(zeros, zeros, None, scales, scales, window_cells=window_cells,
+                     capacity=capacity, tile_cells=tile_cells, dtype=dt, where="RollingKV.empty")
+
+  def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "RollingKV":
+    """See :func:`append`."""
+    return append(self, k, v, pos, k_scale=k_scale, v_scale=v_scale)
+
+  def cells(self) -> dict:
+    """All written cells in order as numpy arrays ``[B,fill,...]`` (None for absent scales).
+
+    A debugging/IO view: it copies the whole tail to host numpy.
+    """
+    out = {}
+    for name in _ARRAY_NAMES:
+      rows = [[] for _ in range(self.batch)]
+      for b, chunk in _cell_chunks(self, name):
+        rows[b].append(chunk)
+      x = getattr(self.window, name)
+      out[name] = None if x is None else np.stack([
+          np.concatenate(r) if r else np.zeros((0,) + x.shape[2:], x.dtype) for r in rows])
+    return out
+
+
+jax.tree_util.register_dataclass(
+    RollingKV, data_fields=["window", "staging", "tail"],
+    meta_fields=["window_cells", "tile_cells", "capacity", "fill"])
+
+
+def memory_kinds(kv: RollingKV) -> dict[str, str | None]:
+  """``"part.field" -> memory kind`` for every array of the cache (for tests and debugging)."""
+  out = {}
+  for part in ("window", "staging", "tail"):
+    for name in _ARRAY_NAMES:
+      x = getattr(getattr(kv, part), name)
+      if x is not None:
+        out[f"{part}.{name}"] = memory.memory_kind(x)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation helpers
+# ----------------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _kv_dtype(dtype, where: str, name: str) -> np.dtype:
+  try:
+    dt = np.dtype(jnp.dtype(dtype))
+  except TypeError as e:
+    raise ValueError(f"{where}: {name} must be one of {KV_DTYPES}, got {dtype!r}") from e
+  if dt.name not in KV_DTYPES:
+    raise ValueError(f"{where}: {name} must be one of {KV_DTYPES}, got {dt.name}")
+  return dt
+
+
+def _concrete(x) -> np.ndarray | None:
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_positions(pos, want: tuple[int, int], where: str, name: str):
+  if tuple(np.shape(pos)) != want:
+    raise ValueError(f"{where}: {name} must have shape [B,S]={want}, got {tuple(np.shape(pos))}")
+  dtype = pos.dtype if hasattr(pos, "dtype") else np.asarray(pos).dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{where}: {name} must be an integer array, got {dtype}")
+  values = _concrete(pos)
+  if values is not None and values.size:
+    lo, hi = int(values.min()), int(values.max())
+    if lo < -1 or hi > np.iinfo(np.int32).max:
+      raise ValueError(f"{where}: {name} values must be in [-1, 2**31-1] (-1 marks an empty slot),"
+                       f" got range [{lo}, {hi}]")
+
+
+def _check_kv(k, v, k_scale, v_scale, where: str):
+  for name, x in (("k", k), ("v", v)):
+    if len(np.shape(x)) != 4:
+      raise ValueError(f"{where}: {name} must be rank 4 [B,S,K,D], got shape {np.shape(x)}")
+  if np.shape(v) != np.shape(k):
+    raise ValueError(f"{where}: v shape {np.shape(v)} must equal k shape {np.shape(k)}")
+  if np.dtype(k.dtype) != np.dtype(v.dtype):
+    raise ValueError(f"{where}: v dtype {v.dtype} must equal k dtype {k.dtype}")
+  _kv_dtype(k.dtype, where, "k dtype")
+  b, s, kh, _ = np.shape(k)
+  if np.dtype(k.dtype) == np.dtype(np.int8):
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+      if sc is None or tuple(np.shape(sc)) != (b, s, kh):
+        raise ValueError(f"{where}: int8 k/v need {name} of shape [B,S,K]={(b, s, kh)}, got "
+                         f"{None if sc is None else tuple(np.shape(sc))}")
+  elif k_scale is not None or v_scale is not None:
+    raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got {k.dtype}")
+
+
+def quantize_int8(x):
+  """Symmetric int8 per (token, KV head): ``x [...,K,D]`` → (int8, float32 scale ``[...,K]``).
+
+  The same formula as ``tests/numpy_reference.quantize_int8`` (amax / 127, round half to even);
+  XLA's float32 division on CPU is not always correctly rounded, so a scale may differ from
+  numpy's by an ulp.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+  q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
+def _tail_layout(window_cells, capacity, tile_cells):
+  p = capacity - window_cells
+  return p // tile_cells, min(tile_cells, p)  # (tail tiles allocated, staging cells)
+
+
+def _tail_bytes(batch, capacity, kh, d, window_cells, tile_cells, dt) -> int:
+  n_tiles, _ = _tail_layout(window_cells, capacity, tile_cells)
+  cells = n_tiles * tile_cells * batch * kh
+  scales = 2 * 4 * cells if dt == np.dtype(np.int8) else 0
+  return 2 * cells * d * dt.itemsize + scales
+
+
+# ----------------------------------------------------------------------------------------------
+# Assembly (from_arrays, empty, load)
+# ----------------------------------------------------------------------------------------------
+def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cells, dtype,
+              where) -> RollingKV:
+  _check_kv(k, v, k_scale, v_scale, where)
+  b, s, kh, d = np.shape(k)
+  capacity = s if capacity is None else capacity
+  if not _is_int(capacity) or capacity < 1:
+    raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+  if not _is_int(window_cells) or window_cells < 0:
+    raise ValueError(f"{where}: window_cells must be a non-negative int, got {window_cells!r}")
+  if window_cells > capacity:
+    raise ValueError(f"{where}: window_cells={window_cells} must be <= capacity={capacity}")
+  if not _is_int(tile_cells) or tile_cells < 1:
+    raise ValueError(f"{where}: tile_cells must be a positive int, got {tile_cells!r}")
+  if s > capacity:
+    raise ValueError(f"{where}: k holds S={s} cells, more than capacity={capacity}")
+  src_dt = np.dtype(k.dtype)
+  dt = src_dt if dtype is None else _kv_dtype(dtype, where, "dtype")
+  memory.check_host_pool(_tail_bytes(b, capacity, kh, d, window_cells, tile_cells, dt),
+                         where=where, argument="capacity")
+  if k_pos is None:
+    k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+  _check_positions(k_pos, (b, s), where, "k_pos")
+
+  if dt == np.dtype(np.int8) and src_dt != dt:
+    (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+  elif dt != np.dtype(np.int8) and src_dt == np.dtype(np.int8):
+    raise ValueError(f"{where}: int8 k/v cannot fill a {dt.name} cache; pass dtype=int8")
+  host = lambda x: None if x is None else np.asarray(x)
+  k, v, k_scale, v_scale = host(k), host(v), host(k_scale), host(v_scale)
+  k, v = k.astype(dt, copy=False), v.astype(dt, copy=False)
+  if k_scale is not None:
+    k_scale, v_scale = k_scale.astype(np.float32), v_scale.astype(np.float32)
+  pos = np.asarray(k_pos).astype(np.int32)
+  arrays = dict(k=k, v=v, pos=pos, k_scale=k_scale, v_scale=v_scale)
+
+  n_tiles, staging_cells = _tail_layout(window_cells, capacity, tile_cells)
+  wf = min(s, window_cells)
+  n_full = max(s - window_cells, 0) // tile_cells
+  t0, t1 = wf, wf + n_full * tile_cells  # cells [t0, t1) are whole tail tiles, the rest staged
+
+  def part(x, lo, hi, cells, fill_value):
+    """Cells [lo, hi) of x into a fresh [B, cells, ...] buffer, the rest empty."""
+    out = np.full((b, cells) + x.shape[2:], fill_value, x.dtype)
+    out[:, :hi - lo] = x[:, lo:hi]
+    return out
+
+  def tiles(x, fill_value):
+    full = x[:, t0:t1].reshape((b, n_full, tile_cells) + x.shape[2:])
+    full = np.moveaxis(full, 1, 0)  # tile axis leading: one tile is one contiguous DMA source
+    if n_tiles > n_full:
+      pad = np.full((n_tiles - n_full, b, tile_cells) + x.shape[2:], fill_value, x.dtype)
+      full = np.concatenate([full, pad])
+    return np.ascontiguousarray(full)
+
+  blocks = {}
+  for part_name in ("window", "staging", "tail"):
+    fields = {}
+    for name, x in arrays.items():
+      if x is None:
+        fields[name] = None
+        continue
+      empty = -1 if name == "pos" else 0
+      if part_name == "window":
+        fields[name] = memory.to_device(part(x, 0, wf, window_cells, empty))
+      elif part_name == "staging":
+        fields[name] = memory.to_device(part(x, t1, s, staging_cells, empty) if s > t1 else
+                                        np.full((b, staging_cells) + x.shape[2:], empty, x.dtype))
+      else:
+        # Positions stay on the device (see the module docstring); K/V/scales go to pinned host.
+        place = memory.to_device if name == "pos" else memory.to_host
+        fields[name] = place(tiles(x, empty))
+    blocks[part_name] = KVBlock(**fields)
+  return RollingKV(window=blocks["window"], staging=blocks["staging"], tail=blocks["tail"],
+                   window_cells=window_cells, tile_cells=tile_cells, capacity=capacity, fill=s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writes: append → window / staging, flush → one host tile
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_cells(block: KVBlock, new: KVBlock, offset) -> KVBlock:
+  """Writes ``new [B,m,...]`` at cell ``offset`` of a device block, in place (donated)."""
+  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
+                      block, new)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_tiles(tail: KVBlock, new: KVBlock, start) -> KVBlock:
+  """Writes ``new [B,w*tile,...]`` (device) as tiles ``start .. start+w-1`` of the host tail.
+
+  In place: the tail is donated, so the compiled module aliases it and only ``w`` tiles move
+  (device→host DMA on GPU). Only the move and the dynamic_update_slice touch host memory.
+  """
+  b, tile = tail.pos.shape[1], tail.pos.shape[2]
+
+  def write(dst, src, to_host):
+    w = src.shape[1] // tile
+    src = jnp.moveaxis(src.reshape((b, w, tile) + src.shape[2:]), 1, 0)  # on the device
+    if to_host:
+      src = jax.device_put(src, jax.memory.Space.Host)
+    return jax.lax.dynamic_update_slice_in_dim(dst, src, start, axis=0)
+
+  return KVBlock(
+      k=write(tail.k, new.k, True), v=write(tail.v, new.v, True),
+      pos=write(tail.pos, new.pos, False),
+      k_scale=None if tail.k_scale is None else write(tail.k_scale, new.k_scale, True),
+      v_scale=None if tail.v_scale is None else write(tail.v_scale, new.v_scale, True))
+
+
+def flush(tail: KVBlock, staging: KVBlock, index: int) -> tuple[KVBlock, KVBlock]:
+  """Moves the full staging tile to host tail tile ``index``; returns (tail, emptied staging).
+
+  O(tile): one tile crosses to the host and the donated tail is updated in place.
+  """
+  tail = _write_tiles(tail, staging, jnp.int32(index))
+  # Emptying is just positions: stale K/V under pos = -1 never reach attention.
+  return tail, dataclasses.replace(staging, pos=jnp.full_like(staging.pos, -1))
+
+
+def _take(block: KVBlock, lo: int, hi: int) -> KVBlock:
+  return jax.tree.map(lambda x: x[:, lo:hi], block)
+
+
+def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBlock:
+  """Validates appended cells and brings them to the cache's dtype on the device."""
+  _check_kv(k, v, k_scale, v_scale, where)
+  b, t, kh, d = np.shape(k)
+  if (b, kh, d) != (kv.batch, kv.num_kv_heads, kv.head_dim):
+    raise ValueError(f"{where}: k must have shape [B,T,K,D] with B={kv.batch}, "
+                     f"K={kv.num_kv_heads}, D={kv.head_dim}, got {np.shape(k)}")
+  if kv.fill + t > kv.capacity:
+    raise ValueError(f"{where}: appending T={t} cells to a cache holding {kv.fill} would exceed "
+                     f"its capacity={kv.capacity}")
+  if pos is None:
+    pos = jnp.broadcast_to(jnp.arange(kv.fill, kv.fill + t, dtype=jnp.int32), (b, t))
+  _check_positions(pos, (b, t), where, "pos")
+  src_int8 = np.dtype(k.dtype) == np.dtype(np.int8)
+  if kv.quantized and not src_int8:
+    (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+  elif not kv.quantized and src_int8:
+    raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")
+  new = KVBlock(k=jnp.asarray(k, kv.dtype), v=jnp.asarray(v, kv.dtype),
+                pos=jnp.asarray(pos, jnp.int32),
+                k_scale=None if k_scale is None else jnp.asarray(k_scale, jnp.float32),
+                v_scale=None if v_scale is None else jnp.asarray(v_scale, jnp.float32))
+  return new
+
+
+def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> RollingKV:
+  """Appends ``k, v [B,T,K,D]`` (one token at decode, a chunk at prefill); returns the new cache.
+
+  ``pos [B,T]`` defaults to ``fill + arange(T)``; -1 marks a padding cell (ragged batches).
+  Cells go to the window while it has room, then to the staging tile; a full staging tile is
+  flushed to the host tail, and whole tiles of a long chunk go to the host tail directly. The cost
+  is O(T + tile) whatever the tail holds. The buffers written are donated: use the returned cache.
+  """
+  if not isinstance(kv, RollingKV):
+    raise ValueError(f"append: kv must be a RollingKV, got {type(kv).__name__}")
+  new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append")
+  t = new.k.shape[1]
+  w, tile = kv.window_cells, kv.tile_cells
+  window, staging, tail = kv.window, kv.staging, kv.tail
+  fill, i = kv.fill, 0
+  m = max(0, min(t, w - fill))
+  if m:
+    window = _write_cells(window, _take(new, 0, m), jnp.int32(fill))
+    fill, i = fill + m, m
+  while i < t:
+    tail_fill = fill - w
+    staged = tail_fill % tile
+    whole = (t - i) // tile
+    if staged == 0 and whole:
+      # A long chunk: whole tiles skip the staging buffer (O(chunk), never O(tail)).
+      tail = _write_tiles(tail, _take(new, i, i + whole * tile), jnp.int32(tail_fill // tile))
+      fill, i = fill + whole * tile, i + whole * tile
+      continue
+    m = min(tile - staged, t - i)
+    staging = _write_cells(staging, _take(new, i, i + m), jnp.int32(staged))
+    fill, i = fill + m, i + m
+    if staged + m == tile:
+      tail, staging = flush(tail, staging, (fill - w) // tile - 1)
+  return dataclasses.replace(kv, window=window, staging=staging, tail=tail, fill=fill)
+
+
+# ----------------------------------------------------------------------------------------------
+# Save / load
+# ----------------------------------------------------------------------------------------------
+def _cell_chunks(kv: RollingKV, name: str):
+  """Yields ``(b, cells)`` of array ``name`` in file order: row by row, each row's window cells,
+  tail tiles, staged cells."""
+  wx, tx, sx = (getattr(getattr(kv, p), name) for p in ("window", "tail", "staging"))
+  if wx is None:
+    return
+  wf, n_full, ns = kv.window_fill, kv.n_full_tiles, kv.n_staged
+  # One plain copy of the tail to numpy: slicing a pinned_host array eagerly would be host
+  # compute on GPU.
+  tail = np.asarray(tx) if n_full else None
+  window = np.asarray(wx) if wf else None
+  staging = np.asarray(sx) if ns else None
+  for b in range(kv.batch):
+    if wf:
+      yield b, window[b, :wf]
+    for i in range(n_full):
+      yield b, tail[i, b]
+    if ns:
+      yield b, staging[b, :ns]
+
+
+def save(kv: RollingKV, directory: str) -> None:
+  """Writes the cache's cells (window and tail alike, in cell order) to ``directory``.
+
+  Files: ``k.bin, v.bin, pos.bin`` (+ ``k_scale.bin, v_scale.bin`` for int8), raw C-order
+  ``[B,fill,...]``, and ``manifest.json`` (format name and version, dtype, W, capacity, tile,
+  fill, shapes, and the byte size and CRC-32 of each file). The manifest is written last and
+  atomically, so an interrupted save is not loadable.
+  """
+  if not isinstance(kv, RollingKV):
+    raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
+  os.makedirs(directory, exist_ok=True)
+  files = {}
+  for name in _ARRAY_NAMES:
+    block = getattr(kv.window, name)
+    if block is None:
+      continue
+    path = os.path.join(directory, f"{name}.bin")
+    crc, nbytes = 0, 0
+    with open(path, "wb") as f:
+      for _, chunk in _cell_chunks(kv, name):
+        data = np.ascontiguousarray(chunk).tobytes()
+        crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
+        f.write(data)
+    files[name] = dict(file=f"{name}.bin", dtype=np.dtype(block.dtype).name,
+                       shape=[kv.batch, kv.fill] + list(block.shape[2:]), bytes=nbytes, crc32=crc)
+  manifest = dict(format=FORMAT, version=FORMAT_VERSION, dtype=np.dtype(kv.dtype).name,
+                  window_cells=kv.window_cells, capacity=kv.capacity, tile_cells=kv.tile_cells,
+                  fill=kv.fill, batch=kv.batch, num_kv_heads=kv.num_kv_heads,
+                  head_dim=kv.head_dim, positions="pos.bin", arrays=files)
+  tmp = os.path.join(directory, "manifest.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(manifest, f, indent=1)
+  os.replace(tmp, os.path.join(directory, "manifest.json"))
+
+
+def _file_crc(path: str, chunk: int = 1 << 26) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while data := f.read(chunk):
+      crc = zlib.crc32(data, crc)
+  return crc
+
+
+def load(directory: str, window_cells: int | None = None, *, capacity: int | None = None,
+         tile_cells: int | None = None, verify: bool = True) -> RollingKV:
+  """Reads a cache written by :func:`save`, split at ``window_cells`` (default: the saved W).
+
+  ``verify`` checks each file's CRC-32 (reads every byte once). A missing, truncated or foreign
+  file raises ``ValueError`` naming it.
+  """
+  where = "load"
+  path = os.path.join(directory, "manifest.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{where}: {directory!r} has no manifest.json: not an rkv cache directory")
+  try:
+    with open(path) as f:
+      manifest = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{where}: {path} is not a valid JSON manifest: {e}") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    raise ValueError(f"{where}: {path} is not an {FORMAT} manifest (format="
+                     f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+  if manifest.get("version") != FORMAT_VERSION:
+    raise ValueError(f"{where}: {path} has format version {manifest.get('version')!r}, this rkv "
+                     f"reads version {FORMAT_VERSION}")
+  try:
+    fill, b = int(manifest["fill"]), int(manifest["batch"])
+    kh, d = int(manifest["num_kv_heads"]), int(manifest["head_dim"])
+    dt = _kv_dtype(manifest["dtype"], where, "manifest dtype")
+    specs = manifest["arrays"]
+    want = dict(k=((b, fill, kh, d), dt), v=((b, fill, kh, d), dt), pos=((b, fill), np.int32))
+    if dt == np.dtype(np.int8):
+      want.update(k_scale=((b, fill, kh), np.float32), v_scale=((b, fill, kh), np.float32))
+    arrays = {}
+    for name, (shape, adt) in want.items():
+      spec = specs[name]
+      if tuple(spec["shape"]) != shape or np.dtype(jnp.dtype(spec["dtype"])) != np.dtype(adt):
+        raise ValueError(f"{where}: manifest entry {name} has shape {spec['shape']} dtype "
+                         f"{spec['dtype']}, expected {list(shape)} {np.dtype(adt).name}")
+      fpath = os.path.join(directory, spec["file"])
+      nbytes = int(np.prod(shape)) * np.dtype(adt).itemsize
+      if not os.path.isfile(fpath):
+        raise ValueError(f"{where}: missing array file {fpath}")
+      size = os.path.getsize(fpath)
+      if size != nbytes or int(spec["bytes"]) != nbytes:
+        raise ValueError(f"{where}: {fpath} has {size} bytes, expected {nbytes}: truncated or "
+                         f"foreign file")
+      if verify and _file_crc(fpath) != int(spec["crc32"]):
+        raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
+      arrays[name] = (np.memmap(fpath, dtype=adt, mode="r", shape=shape) if nbytes else
+                      np.zeros(shape, adt))
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{where}: {path} is missing or has a malformed field: {e!r}") from e
+  return _assemble(arrays["k"], arrays["v"], arrays["pos"], arrays.get("k_scale"),
+                   arrays.get("v_scale"),
+                   window_cells=manifest["window_cells"] if window_cells is None else window_cells,
+                   capacity=manifest["capacity"] if capacity is None else capacity,
+                   tile_cells=manifest["tile_cells"] if tile_cells is None else tile_cells,
+                   dtype=dt, where=where)

@@ -1,0 +1,164 @@
+"""Kernel benchmark: rkv's attention kernels against cuDNN and XLA, measured in the same run.
+
+Rows (DESIGN.md §5 shapes, bf16, H=32, K=8, D=128 unless stated):
+  decode  B=1 at S=32K/128K/512K and B=8 at S=32K: effective K+V read bandwidth.
+  prefill T=S=8K causal, MHA (K=32) and GQA 32/8: TFLOP/s, causal half counted.
+Every rkv row carries the ratio to cuDNN's time in the same run and its max |Δ| to cuDNN's output.
+On a CPU the quick mode checks the kernels (interpret mode) against the reference on small shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rkv
+from rkv import benchmarking
+from rkv.pallas import decode_attention as decode_kernel
+from rkv.pallas import flash_attention as flash_kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  kind: str  # decode | prefill
+  b: int
+  t: int
+  s: int
+  h: int = 32
+  k: int = 8
+  d: int = 128
+
+  @property
+  def name(self) -> str:
+    return f"{self.kind} B={self.b} T={self.t} S={self.s} H={self.h} K={self.k} D={self.d}"
+
+  def kv_bytes(self, itemsize: int) -> int:
+    return 2 * self.b * self.s * self.k * self.d * itemsize
+
+  def flops(self) -> float:
+    # Two matmuls of 2*T*S*D each per head; causal prefill visits about half the pairs.
+    full = 4.0 * self.b * self.h * self.t * self.s * self.d
+    return full * (0.5 if self.kind == "prefill" else 1.0)
+
+
+FULL_SHAPES = (
+    Shape("decode", 1, 1, 32 * 1024), Shape("decode", 1, 1, 128 * 1024),
+    Shape("decode", 1, 1, 512 * 1024), Shape("decode", 8, 1, 32 * 1024),
+    Shape("prefill", 1, 8192, 8192, k=32), Shape("prefill", 1, 8192, 8192, k=8),
+)
+QUICK_SHAPES = (Shape("decode", 1, 1, 2048, h=8, k=2, d=64),
+                Shape("prefill", 1, 256, 256, h=4, k=2, d=64))
+
+
+def _inputs(shape: Shape, dtype, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (shape.b, shape.t, shape.h, shape.d), dtype)
+  k = jax.random.normal(kk, (shape.b, shape.s, shape.k, shape.d), dtype)
+  v = jax.random.normal(kv, (shape.b, shape.s, shape.k, shape.d), dtype)
+  return q, k, v
+
+
+def _contenders(shape: Shape, on_gpu: bool, sweep: list[dict[str, Any]],
+                tokamax) -> dict[str, Callable]:
+  causal = shape.kind == "prefill"
+  kernel = decode_kernel if shape.kind == "decode" else flash_kernel
+  call = kernel.decode_attention if shape.kind == "decode" else kernel.flash_attention
+  fns: dict[str, Callable] = {}
+  fns["rkv_pallas"] = jax.jit(lambda q, k, v: call(q, k, v, causal=causal)[0])
+  for i, cfg in enumerate(sweep):
+    bs = dataclasses.replace(kernel.BlockSizes(), **cfg)
+    fns[f"rkv_pallas[{i}]"] = jax.jit(
+        lambda q, k, v, bs=bs: call(q, k, v, causal=causal, block_sizes=bs)[0])
+  fns["rkv_xla"] = jax.jit(lambda q, k, v: rkv.attention(q, k, v, causal=causal, impl="xla")[0])
+  if on_gpu:
+    fns["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"))
+  else:
+    fns["rkv_reference"] = jax.jit(
+        lambda q, k, v: rkv.attention(q, k, v, causal=causal, impl="reference")[0])
+  fns["jax_xla"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="xla"))
+  if tokamax is not None and shape.kind == "prefill":
+    fns["tokamax_mosaic"] = jax.jit(lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="mosaic"))
+  return fns
+
+
+def run(*, quick: bool, sweep_decode: list[dict[str, Any]] | None = None,
+        sweep_prefill: list[dict[str, Any]] | None = None, use_tokamax: bool = False,
+        n_outer: int = 7, log=print) -> dict[str, Any]:
+  """Measures every contender on every shape; returns the JSON-ready result."""
+  on_gpu = jax.default_backend() == "gpu"
+  shapes = QUICK_SHAPES if quick else FULL_SHAPES
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  tokamax = None
+  if use_tokamax:
+    try:
+      import tokamax  # noqa: F401  (benchmark peer only; rkv never imports it)
+    except ImportError as e:
+      log(f"tokamax not importable ({e}); skipping that peer")
+  rows = []
+  for shape in shapes:
+    q, k, v = _inputs(shape, dtype)
+    sweep = (sweep_decode if shape.kind == "decode" else sweep_prefill) or []
+    fns = _contenders(shape, on_gpu, sweep, tokamax)
+    peer = "cudnn" if on_gpu else "rkv_reference"
+    outputs, results = {}, {}
+    for name, fn in fns.items():
+      try:
+        timing = benchmarking.time_fn(fn, q, k, v, n_outer=n_outer, target_s=0.05 if on_gpu else None,
+                                      n_inner=1 if not on_gpu else 5)
+        outputs[name] = fn(q, k, v)
+        results[name] = timing
+      except Exception as e:  # a peer that rejects a shape is reported, not fatal
+        log(f"  {shape.name}: {name} failed: {type(e).__name__}: {str(e)[:300]}")
+    ref_out = outputs.get(peer)
+    ref_t = results[peer].median_s if peer in results else None
+    for name, timing in results.items():
+      row = dict(shape=shape.name, kind=shape.kind, b=shape.b, t=shape.t, s=shape.s, h=shape.h,
+                 k=shape.k, d=shape.d, dtype=jnp.dtype(dtype).name, impl=name,
+                 time_us=timing.median_s * 1e6, time_min_us=timing.min_s * 1e6,
+                 n_inner=timing.n_inner, n_outer=timing.n_outer)
+      if name.startswith("rkv_pallas["):
+        row["block_sizes"] = sweep[int(name[len("rkv_pallas["):-1])]
+      if shape.kind == "decode":
+        row["kv_read_tbps"] = shape.kv_bytes(jnp.dtype(dtype).itemsize) / timing.median_s / 1e12
+      else:
+        row["tflops"] = shape.flops() / timing.median_s / 1e12
+      if ref_t is not None:
+        row[f"speedup_vs_{peer}"] = ref_t / timing.median_s
+      if ref_out is not None:
+        diff = jnp.abs(outputs[name].astype(jnp.float32) - ref_out.astype(jnp.float32))
+        row[f"max_abs_diff_vs_{peer}"] = float(jnp.max(diff))
+      rows.append(row)
+    for row in rows[-len(results):]:
+      log("  " + ", ".join(f"{c}={row.get(c):.4g}" if isinstance(row.get(c), float)
+                           else f"{c}={row.get(c)}" for c in
+                           ("shape", "impl", "time_us", "kv_read_tbps", "tflops",
+                            f"speedup_vs_{peer}") if c in row))
+  return dict(benchmark="kernel_bench", environment=benchmarking.environment(),
+              method="median of n_outer batches of n_inner back-to-back calls after 2 warm-ups; "
+                     "wall clock around block_until_ready on the batch's last output",
+              rows=rows)
+
+
+COLUMNS = ["shape", "impl", "time_us", "kv_read_tbps", "tflops", "speedup_vs_cudnn",
+           "speedup_vs_rkv_reference", "max_abs_diff_vs_cudnn", "max_abs_diff_vs_rkv_reference"]
+
+
+def parse_sweep(text: str) -> list[dict[str, Any]]:
+  """A JSON list of BlockSizes overrides, e.g. '[{"block_k": 128, "num_warps": 4}]'."""
+  if not text:
+    return []
+  try:
+    cfgs = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"sweep must be a JSON list of objects, got {text!r}: {e}") from e
+  if not isinstance(cfgs, list) or not all(isinstance(c, dict) for c in cfgs):
+    raise ValueError(f"sweep must be a JSON list of objects, got {text!r}")
+  return cfgs

@@ -1,0 +1,9 @@
+"""Host-tail machinery: memory kinds and placement (:mod:`.memory`), streamed tail attention
+(:mod:`.stream`), and the rolling-cache benchmark library (:mod:`.bench`, imported on demand)."""
+
+from rkv.offload.memory import (check_host_pool, hlo_report, host_compute_eqns, memory_kind,
+                                placement_report, to_device, to_host)
+from rkv.offload.stream import SCHEDULES, stream_attention
+
+__all__ = ["SCHEDULES", "check_host_pool", "hlo_report", "host_compute_eqns", "memory_kind",
+           "placement_report", "stream_attention", "to_device", "to_host"]

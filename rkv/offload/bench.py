@@ -1,0 +1,273 @@
+"""Rolling-cache benchmark library: streamed decode steps against the performance model.
+
+For each context length and window fraction it builds a :class:`rkv.RollingKV` and measures, in
+one process so the ratios are comparable (DESIGN.md §5: ±15% run to run):
+
+- ``step_s``: one decode step of :func:`rkv.rolling_attention` per schedule and tile size
+  (median wall clock after warm-up, ``block_until_ready``);
+- ``window_s``: the resident kernel over the window alone; ``h2d_gbps``: ``device_put`` of the
+  pinned-host tail to the device; ``model_s = max(window_s, tail_bytes / h2d_rate)`` (DESIGN.md
+  §6: overlap is a max, not a sum) and ``step_s / model_s``;
+- ``tail_gbps``: tail bytes over the step time; ``resident_s``: the whole context on the device
+  (where it fits); ``naive_s``: copy the whole tail to the device, then attend;
+- the async host→device transfer ops of each schedule's compiled program (``hlo_report``);
+- the cost of a one-token append with the tail holding 0, 1/4 and 1/2 of the context, and of the
+  append that flushes a tile.
+
+``experiments/rolling_bench.py`` is the absl front end; tiny ``contexts`` run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rkv
+from rkv import cache as cache_lib
+from rkv import rolling
+from rkv.attention import merge_partials
+from rkv.offload import memory
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  contexts: tuple[int, ...] = (131072, 524288, 1048576)
+  window_fractions: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+  schedules: tuple[str, ...] = ("scan", "unrolled")
+  tile_cells: tuple[int, ...] = (32768,)
+  lookahead: int = 1
+  batch: int = 1
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  dtype: str = "bfloat16"
+  impl: str = "auto"
+  warmup: int = 3
+  repeats: int = 20
+  append_steps: int = 16
+  resident: bool = True
+  naive: bool = True
+  seed: int = 0
+
+
+def _median_s(fn, warmup: int, repeats: int) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _data(cfg: BenchConfig, s: int) -> dict:
+  """Cells ``k, v [B,S,K,D]`` (+ int8 scales ``[B,S,K]``) as host numpy: a random block tiled
+  along S (values do not change the timings, and drawing 10^9 normals would dominate the run)."""
+  rng = np.random.default_rng(cfg.seed)
+  block = min(s, 4096)
+  shape = (cfg.batch, block, cfg.num_kv_heads, cfg.head_dim)
+  reps = -(-s // block)
+  tile = lambda x: np.ascontiguousarray(np.tile(x, (1, reps) + (1,) * (x.ndim - 2))[:, :s])
+  out = dict(k_scale=None, v_scale=None)
+  for name in ("k", "v"):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if cfg.dtype == "int8":
+      xq, scale = cache_lib.quantize_int8(x)
+      out[name], out[f"{name}_scale"] = tile(np.asarray(xq)), tile(np.asarray(scale))
+    else:
+      out[name] = tile(x.astype(jnp.dtype(cfg.dtype)))
+  return out
+
+
+def _cut(cells: dict, lo: int, hi: int) -> dict:
+  return {n: None if x is None else x[:, lo:hi] for n, x in cells.items()}
+
+
+def _fits_on_device(nbytes: int) -> bool:
+  stats = memory.default_device().memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return True  # CPU: no accounting, the test sizes are tiny
+  return nbytes * 1.2 < stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+@functools.partial(jax.jit, static_argnames=("impl",))
+def _naive(q, q_pos, window, staging, tail, *, impl):
+  """Naive offload: move the whole tail to the device, then attend (no overlap, 2x tail in HBM)."""
+  n, b, tile = tail.pos.shape
+  to_cells = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, n * tile) + x.shape[3:])
+  dev = lambda x: None if x is None else to_cells(jax.device_put(x, jax.memory.Space.Device))
+  parts = []
+  for blk in (window, staging,
+              cache_lib.KVBlock(dev(tail.k), dev(tail.v), to_cells(tail.pos), dev(tail.k_scale),
+                                dev(tail.v_scale))):
+    if blk.k.shape[1]:
+      parts.append(rkv.attention(q, blk.k, blk.v, q_pos=q_pos, k_pos=blk.pos,
+                                 k_scale=blk.k_scale, v_scale=blk.v_scale, impl=impl))
+  o, lse = merge_partials(jnp.stack([p[0].astype(jnp.float32) for p in parts]),
+                          jnp.stack([p[1] for p in parts]))
+  return o.astype(q.dtype), lse
+
+
+def _step_rows(cfg: BenchConfig, s: int, cells: dict, q, q_pos, resident_s):
+  rows = []
+  for frac in cfg.window_fractions:
+    w = int(round(s * frac))
+    tiles = cfg.tile_cells if w < s else cfg.tile_cells[:1]
+    window_s = h2d_gbps = naive_s = None
+    for tile in tiles:
+      kv = rkv.RollingKV.from_arrays(cells["k"], cells["v"], k_scale=cells["k_scale"],
+                                     v_scale=cells["v_scale"], window_cells=w, tile_cells=tile)
+      base = dict(context=s, window_fraction=frac, window_cells=w, tail_cells=s - w,
+                  tile_cells=tile, window_bytes=kv.nbytes("window"),
+                  streamed_bytes=kv.n_full_tiles * kv.nbytes("tail") // max(kv.n_tail_tiles, 1),
+                  resident_s=resident_s)
+      if window_s is None and w:
+        wb = kv.window
+        window_s = _median_s(lambda: rkv.attention(q, wb.k, wb.v, q_pos=q_pos, k_pos=wb.pos,
+                                                   k_scale=wb.k_scale, v_scale=wb.v_scale,
+                                                   impl=cfg.impl), cfg.warmup, cfg.repeats)
+      if kv.n_full_tiles and h2d_gbps is None:
+        dev = memory.sharding(memory.DEVICE)
+        put = lambda: (jax.device_put(kv.tail.k, dev), jax.device_put(kv.tail.v, dev))
+        h2d_s = _median_s(put, 1, max(cfg.repeats // 4, 2))
+        h2d_gbps = kv.nbytes("tail") / h2d_s / 1e9
+      if kv.n_full_tiles and cfg.naive and naive_s is None and _fits_on_device(
+          2 * kv.nbytes("tail")):
+        naive_s = _median_s(lambda: _naive(q, q_pos, kv.window, kv.staging, kv.tail,
+                                           impl=cfg.impl), 1, max(cfg.repeats // 4, 2))
+      schedules = cfg.schedules if kv.n_full_tiles else ("resident",)
+      for schedule in schedules:
+        kw = dict(q_pos=q_pos, impl=cfg.impl)
+        if schedule != "resident":
+          kw.update(schedule=schedule, lookahead=cfg.lookahead)
+        step_s = _median_s(lambda: rkv.rolling_attention(q, kv, **kw), cfg.warmup, cfg.repeats)
+        hlo = None
+        if schedule != "resident":
+          hlo = memory.hlo_report(rolling.lower(q, kv, **kw).compile().as_text())
+        tail_s = base["streamed_bytes"] / (h2d_gbps * 1e9) if h2d_gbps else 0.0
+        model_s = max(window_s or 0.0, tail_s)
+        rows.append(dict(base, schedule=schedule, lookahead=cfg.lookahead, step_s=step_s,
+                         window_s=window_s, tail_model_s=tail_s, h2d_gbps=h2d_gbps,
+                         model_s=model_s, step_over_model=step_s / model_s if model_s else None,
+                         tail_gbps=base["streamed_bytes"] / step_s / 1e9 if tail_s else None,
+                         naive_s=naive_s, hlo=hlo))
+      del kv
+  return rows
+
+
+def _append_rows(cfg: BenchConfig, s: int, cells: dict):
+  """One-token appends with the tail holding 0, 1/4, 1/2 of the context, then the flush alone."""
+  tile = cfg.tile_cells[0]
+  rows = []
+  for share in (0.0, 0.25, 0.5):
+    p = (int(s * share) // tile) * tile
+    n = min(cfg.append_steps, s)
+    s0 = s - n  # the last append of the loop completes a tile when p > 0 and n <= tile
+    first = _cut(cells, 0, s0)
+    kv = rkv.RollingKV.from_arrays(first["k"], first["v"], k_scale=first["k_scale"],
+                                   v_scale=first["v_scale"], window_cells=s - p, capacity=s,
+                                   tile_cells=tile)
+    plain, flushes = [], 0
+    for i in range(n):
+      tiles_before = kv.n_full_tiles
+      new = jax.block_until_ready({n: None if x is None else jnp.asarray(x)
+                                   for n, x in _cut(cells, s0 + i, s0 + i + 1).items()})
+      t0 = time.perf_counter()
+      kv = jax.block_until_ready(kv.append(new["k"], new["v"], k_scale=new["k_scale"],
+                                           v_scale=new["v_scale"]))
+      if kv.n_full_tiles > tiles_before:
+        flushes += 1
+      else:
+        plain.append(time.perf_counter() - t0)
+    warm = plain[1:] or plain  # the first append compiles
+    flush_s = None
+    if kv.n_tail_tiles:
+      # The flush on its own, warm: rewrites tile 0 of this throwaway cache again and again
+      # (each call donates the previous tail, as append does).
+      state = [kv.tail, kv.staging]
+
+      def one_flush():
+        state[0], state[1] = cache_lib.flush(state[0], state[1], 0)
+        return state[0]
+
+      flush_s = _median_s(one_flush, 1, max(cfg.repeats // 4, 2))
+    rows.append(dict(context=s, tail_cells=p, tail_share=share, tile_cells=tile, appends=n,
+                     append_s=statistics.median(warm) if warm else None, flush_s=flush_s,
+                     flushes_in_loop=flushes,
+                     tile_bytes=kv.nbytes("tail") // kv.n_tail_tiles if kv.n_tail_tiles else 0))
+    del kv
+  return rows
+
+
+def run(cfg: BenchConfig) -> dict:
+  """Runs every row of ``cfg``; returns the JSON-ready result."""
+  for name in ("schedules",):
+    for sch in getattr(cfg, name):
+      if sch not in rolling.SCHEDULES:
+        raise ValueError(f"run: schedules must be drawn from {rolling.SCHEDULES}, got {sch!r}")
+  dev = memory.default_device()
+  result = dict(
+      benchmark="rolling_bench", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      jax=jax.__version__, backend=jax.default_backend(), device=str(dev.device_kind),
+      config=dataclasses.asdict(cfg), host_pool_gib=memory.host_pool_bytes() / 2**30,
+      steps=[], appends=[])
+  rng = np.random.default_rng(cfg.seed + 1)
+  # int8 caches serve bf16 queries.
+  q_dt = jnp.bfloat16 if cfg.dtype == "int8" else jnp.dtype(cfg.dtype)
+  for s in cfg.contexts:
+    cells = _data(cfg, s)
+    q = jnp.asarray(rng.standard_normal((cfg.batch, 1, cfg.num_heads, cfg.head_dim)), q_dt)
+    q_pos = jnp.full((cfg.batch, 1), s - 1, jnp.int32)
+    resident_s = None
+    nbytes = sum(x.nbytes for x in cells.values() if x is not None)
+    if cfg.resident and _fits_on_device(nbytes):
+      dev = {n: None if x is None else memory.to_device(x) for n, x in cells.items()}
+      resident_s = _median_s(lambda: rkv.attention(q, dev["k"], dev["v"], q_pos=q_pos,
+                                                   k_scale=dev["k_scale"], v_scale=dev["v_scale"],
+                                                   impl=cfg.impl), cfg.warmup, cfg.repeats)
+      del dev
+    result["steps"] += _step_rows(cfg, s, cells, q, q_pos, resident_s)
+    result["appends"] += _append_rows(cfg, s, cells)
+  return result
+
+
+def write_json(result: dict, path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+
+
+def format_table(result: dict) -> str:
+  def cell(x, width, fmt="8.3f", scale=1.0):
+    if x is None:
+      return f"{'-':>{width}}"
+    return f"{format(x * scale if scale != 1.0 else x, fmt):>{width}}"
+
+  lines = [f"{result['device']} ({result['backend']}, jax {result['jax']})",
+           f"{'context':>8} {'W frac':>6} {'tile':>6} {'schedule':>9} {'step ms':>8} "
+           f"{'model ms':>8} {'ratio':>6} {'win ms':>8} {'h2d GB/s':>8} {'tail GB/s':>9} "
+           f"{'resid ms':>8} {'naive ms':>8} {'h2d async':>9}"]
+  for r in result["steps"]:
+    hlo = None if r["hlo"] is None else r["hlo"]["h2d_async"]
+    lines.append(
+        f"{r['context']:>8} {r['window_fraction']:>6.2f} {r['tile_cells']:>6} "
+        f"{r['schedule']:>9} {cell(r['step_s'], 8, scale=1e3)} {cell(r['model_s'], 8, scale=1e3)} "
+        f"{cell(r['step_over_model'], 6, '.2f')} {cell(r['window_s'], 8, scale=1e3)} "
+        f"{cell(r['h2d_gbps'], 8, '.1f')} {cell(r['tail_gbps'], 9, '.1f')} "
+        f"{cell(r['resident_s'], 8, scale=1e3)} {cell(r['naive_s'], 8, scale=1e3)} "
+        f"{cell(hlo, 9, 'd')}")
+  lines.append(f"{'context':>8} {'tail':>8} {'append ms':>9} {'flush ms':>8}")
+  for r in result["appends"]:
+    lines.append(f"{r['context']:>8} {r['tail_cells']:>8} {cell(r['append_s'], 9, scale=1e3)} "
+                 f"{cell(r['flush_s'], 8, scale=1e3)}")
+  return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""Memory kinds, placement helpers, the pinned-host pool check, and compiled-HLO inspection.
+
+What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIGN.md §4):
+
+- A CPU device has the memories ``device`` (default), ``pinned_host`` and ``unpinned_host``.
+  ``jax.device_put(x, SingleDeviceSharding(dev, memory_kind="pinned_host"))`` gives an array whose
+  aval prints as ``bf16<host>[...]`` and whose entry-parameter layout in the compiled HLO carries
+  the host memory space ``S(5)``.
+- Inside ``jit``, ``jax.device_put(host_array[i], jax.memory.Space.Device)`` lowers to
+  ``dynamic_slice`` (``slice`` for a static index) + ``reshape``. For GPU (and TPU) jax then adds
+  a ``custom_call @annotate_device_placement {_xla_buffer_placement="device"}``, which XLA's host
+  offloader turns into an async DMA (``dynamic-slice-start/-done``, DESIGN.md §5: 48.5 GB/s for
+  32K-cell tiles); for CPU jax emits no placement op at all (``_common_device_put_lowering``), so
+  a CPU compile cannot show transfers. ``jit(f).trace(...).lower(lowering_platforms=("cuda",))``
+  works on a CPU-only install and shows the GPU placement ops: :func:`placement_report` counts
+  them, so CI can check the GPU program's structure. ``jax.memory.Space.Device`` / ``.Host`` and
+  ``SingleDeviceSharding(dev, memory_kind=...)`` lower the same way (the sharding form adds a
+  sharding constraint); the Space form is used inside jit.
+- A jitted ``dynamic_update_slice`` of a ``pinned_host`` array with a tile moved to
+  ``Space.Host`` works; with ``donate_argnums`` on the host array the compiled module aliases
+  input and output (``input_output_alias``), the buffer pointer is unchanged, and
+  ``cost_analysis()["bytes accessed"]`` is the same for a 4-tile and a 64-tile tail (without
+  donation it copies the whole tail: 0.3 MB vs 4.3 MB). ``rkv.cache`` builds its flush on this.
+- A computation on host data (``tail[i].astype(f32)`` before the ``device_put``) traces fine and
+  runs on CPU; on GPU XLA turns it into slow host compute (``_xla_compute_type="host"``).
+  :func:`host_compute_eqns` finds such equations in a jaxpr so tests can forbid them.
+- ``jax.experimental.compute_on`` accepts ``"device_host"`` and ``"gpu_stream:N"``; neither is
+  needed for streaming, noted here for the CPU-tail tactic of a later issue.
+
+The pinned-host pool: XLA's GPU client caps pinned host memory at 64 GiB unless
+``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set *before JAX starts* (it is read once, when the GPU
+backend is created). :func:`check_host_pool` refuses a tail that would not fit, with that advice.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_HOST_POOL_GB = 64
+_GIB = 1 << 30
+
+
+# ----------------------------------------------------------------------------------------------
+# Shardings and placement (outside jit)
+# ----------------------------------------------------------------------------------------------
+def default_device() -> jax.Device:
+  return jax.devices()[0]
+
+
+def sharding(memory_kind: str, device: jax.Device | None = None) -> SingleDeviceSharding:
+  return SingleDeviceSharding(device or default_device(), memory_kind=memory_kind)
+
+
+def to_device(x, device: jax.Device | None = None) -> jax.Array:
+  """A fresh device-memory copy: never aliases ``x``, so the cache may donate it later."""
+  return jax.device_put(x, sharding(DEVICE, device), may_alias=False)
+
+
+def to_host(x, device: jax.Device | None = None) -> jax.Array:
+  """A fresh ``pinned_host`` copy of ``x`` (numpy input goes straight to host, no device hop)."""
+  return jax.device_put(x, sharding(PINNED_HOST, device), may_alias=False)
+
+
+def memory_kind(x) -> str | None:
+  return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The 64 GiB pinned-host pool
+# ----------------------------------------------------------------------------------------------
+def host_pool_bytes() -> int:
+  """The pinned-host pool XLA's GPU client will allow: the env var if set, else 64 GiB."""
+  raw = os.environ.get(HOST_POOL_ENV)
+  if raw is None or raw.strip() == "":
+    return DEFAULT_HOST_POOL_GB * _GIB
+  try:
+    return int(float(raw) * _GIB)
+  except ValueError as e:
+    raise ValueError(f"{HOST_POOL_ENV}={raw!r} must be a number of GiB") from e
+
+
+def check_host_pool(tail_bytes: int, *, where: str, argument: str = "capacity") -> None:
+  """Raises ``ValueError`` when a host tail of ``tail_bytes`` cannot fit the pinned-host pool.
+
+  The check is the same on every backend so that a CPU dry run of a GPU configuration fails the
+  same way; on CPU the env var is harmless to set.
+  """
+  limit = host_pool_bytes()
+  if tail_bytes > limit:
+    need = -(-tail_bytes // _GIB) + 1
+    raise ValueError(
+        f"{where}: {argument} gives a pinned-host tail of {tail_bytes / _GIB:.1f} GiB, above XLA's "
+        f"pinned-host pool of {limit / _GIB:.0f} GiB. Set {HOST_POOL_ENV}={need} (or more) in the "
+        f"environment before JAX starts (before the first jax call in the process), or shrink the "
+        f"tail (larger window_cells, smaller {argument}, int8 KV).")
+
+
+# ----------------------------------------------------------------------------------------------
+# jaxpr inspection: nothing may compute on host data
+# ----------------------------------------------------------------------------------------------
+# Only data movement may touch a host array: slicing out a tile (a DMA source), dropping the unit
+# tile axis (a bitcast) and device_put itself. A dynamic_update_slice whose result stays on host is
+# a write (the flush), which XLA's host offloader keeps as a DMA. Anything else becomes host
+# compute on GPU (DESIGN.md §4: a cast or transpose of host data silently runs on the CPU).
+_HOST_MOVES = {"slice", "dynamic_slice", "squeeze", "reshape", "expand_dims", "device_put"}
+_HOST_WRITES = {"dynamic_update_slice"}
+
+
+def _is_host(aval) -> bool:
+  space = getattr(aval, "memory_space", None)
+  return space is not None and space == jax.memory.Space.Host
+
+
+def _sub_jaxprs(params):
+  for p in params.values():
+    for s in (p if isinstance(p, (tuple, list)) else (p,)):
+      if hasattr(s, "eqns"):
+        yield s
+      elif hasattr(s, "jaxpr") and hasattr(s.jaxpr, "eqns"):
+        yield s.jaxpr
+
+
+def host_compute_eqns(closed_jaxpr) -> list[str]:
+  """Primitives in ``closed_jaxpr`` (recursively) that compute on host-memory values.
+
+  An empty list means host data only moves (slice → bitcast → device_put, or a device tile moved
+  to host and written with ``dynamic_update_slice``), which the GPU compiler can turn into DMA.
+  Use it on ``jax.make_jaxpr(fn)(*args)``.
+  """
+  bad = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      subs = list(_sub_jaxprs(eqn.params))
+      for s in subs:
+        walk(s)
+      if subs or not any(_is_host(getattr(v, "aval", None)) for v in eqn.invars):
+        continue
+      name = eqn.primitive.name
+      if name in _HOST_MOVES:
+        continue
+      if name in _HOST_WRITES and all(_is_host(v.aval) for v in eqn.outvars):
+        continue
+      bad.append(name)
+
+  walk(closed_jaxpr.jaxpr)
+  return bad
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled-HLO inspection
+# ----------------------------------------------------------------------------------------------
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_ASYNC_MOVES = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start", "async-start")
+
+
+def _split_shape(rest: str) -> tuple[str, str, str]:
+  """``'<shape> opcode(operands), attrs'`` → (shape, opcode, operands-and-attrs)."""
+  rest = rest.strip()
+  if rest.startswith("("):
+    depth = 0
+    for i, c in enumerate(rest):
+      depth += c == "("
+      depth -= c == ")"
+      if depth == 0:
+        shape, tail = rest[:i + 1], rest[i + 1:].strip()
+        break
+    else:
+      return rest, "", ""
+  else:
+    shape, _, tail = rest.partition(" ")
+  m = re.match(r"([\w\-]+)\((.*)$", tail)
+  if not m:
+    return shape, "", tail
+  return shape, m.group(1), m.group(2)
+
+
+def _arrays(shape: str) -> list[tuple[str, bool]]:
+  """Array shapes in order, each as (``dtype[dims]``, on_host)."""
+  out = []
+  for m in _ARRAY.finditer(shape):
+    layout = m.group(3) or ""
+    out.append((f"{m.group(1)}[{m.group(2)}]", "S(5)" in layout))
+  return out
+
+
+def _non_scalar(arrays):
+  return [a for a in arrays if not a[0].endswith("[]")]
+
+
+_PLACEMENT = re.compile(r'annotate_device_placement.*?_xla_buffer_placement\s*=\s*"([\w]+)"')
+
+
+def placement_report(lowered_text: str) -> dict[str, int]:
+  """Memory kind → count of ``annotate_device_placement`` ops in a lowered (StableHLO) module.
+
+  Each is one ``device_put`` inside jit (one per tile and array of a streamed tail, per loop body
+  for the scan schedule). Lower for GPU on any machine with
+  ``jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``.
+  """
+  return dict(collections.Counter(_PLACEMENT.findall(lowered_text)))
+
+
+def hlo_report(compiled_text: str) -> dict:
+  """Counts host↔device data movement in a compiled HLO module (``compiled.as_text()``).
+
+  Returns a dict:
+    ``h2d_async``: async host→device moves (``dynamic-slice-start`` / ``copy-start`` /
+      ``async-start`` whose source is in host memory ``S(5)`` and result is not): the DMA the
+      streamed schedules want; ``d2h_async``: the reverse (a flush); ``h2d_sync`` / ``d2h_sync``:
+      plain ``copy`` ops across memory spaces (a transfer that blocks its stream);
+    ``host_params``: entry parameter arrays laid out in host memory (from the module header); ``host_compute``: instructions XLA
+      placed on the host CPU (``_xla_compute_type="host"``: the slow path of DESIGN.md §4);
+    ``async_ops``: opcode → count of every ``*-start`` op (for eyeballing the schedule).
+  On a CPU backend there is one memory, so every move folds away and only ``host_params`` shows.
+  """
+  shapes: dict[str, str] = {}
+  rep = dict(h2d_async=0, d2h_async=0, h2d_sync=0, d2h_sync=0, host_params=0, host_compute=0)
+  async_ops: collections.Counter = collections.Counter()
+  header = re.search(r"entry_computation_layout=\{\((.*?)\)->", compiled_text)
+  if header:
+    # The module header carries the entry layouts with their memory space (the CPU compiler
+    # prints S(5) only there).
+    rep["host_params"] = sum(h for _, h in _non_scalar(_arrays(header.group(1))))
+  for line in compiled_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, rest = m.groups()
+    shape, opcode, operands = _split_shape(rest)
+    if not opcode:
+      continue
+    shapes[name] = shape
+    if '_xla_compute_type="host"' in rest:
+      rep["host_compute"] += 1
+    if opcode.endswith("-start"):
+      async_ops[opcode] += 1
+    arrays = _non_scalar(_arrays(shape))
+    if opcode in _ASYNC_MOVES and len(arrays) >= 2:
+      src_host, dst_host = arrays[0][1], arrays[-1][1]
+      if src_host and not dst_host:
+        rep["h2d_async"] += 1
+      elif dst_host and not src_host:
+        rep["d2h_async"] += 1
+      elif opcode == "dynamic-update-slice-start" and dst_host:
+        rep["d2h_async"] += 1
+    elif opcode == "copy":
+      operand = operands.split(")")[0].split(",")[0].strip().lstrip("%")
+      src = _non_scalar(_arrays(shapes.get(operand, "")))
+      if src and arrays:
+        if src[0][1] and not arrays[0][1]:
+          rep["h2d_sync"] += 1
+        elif arrays[0][1] and not src[0][1]:
+          rep["d2h_sync"] += 1
+  rep["async_ops"] = dict(async_ops)
+  return rep

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (Triton lowering; interpret=True on CPU). Each file: BlockSizes, kernel, jitted wrapper, *_reference."""

@@ -1,0 +1,522 @@
+"""Split-K decode attention for a few query tokens (T <= 16) over a long KV cache (Pallas, Triton lowering).
+
+Decode is memory bound: each step reads all of K and V once (B=1 H=32 K=8 D=128 bf16 at 512K keys is
+2 GiB; cuDNN does it in 787 us on the H200, DESIGN.md §5) and does ~2*T*G flops per byte. So the kernel
+is laid out to stream K/V at HBM speed, not to save flops:
+
+- Grid (B, K, N). One program owns one kv head and one contiguous chunk of S (a "split"), so
+  B*K*N programs share the work and N is picked from B, K and S to fill the 132 SMs several times.
+- All G*T query rows that read the same kv head are packed into one tile [R, D] (row r = t*G + g,
+  R = max(16, next_pow2(T*G))) so every K/V byte loaded is used by all of them through one tensor-core
+  dot ([R, D] @ [D, block_k]); Triton needs power-of-two dot dims >= 16, hence the padding. Only when
+  R*D would overflow the registers (T=16 with G=16, or D=256 with T*G > 64) are the rows cut into
+  row blocks, each its own program; those re-read the same K/V right after each other, from L2.
+- K/V are read in place from the [B, S, K, D] cache (no transpose, no pad copy: at 512K keys such a
+  copy costs more than the kernel). Lengths that are not tile multiples and head dims that are not
+  powers of two are handled by masked loads; masked-off rows are never fetched from memory.
+- Keys nobody can see (empty slots, future keys, keys outside the sliding window) are skipped: a
+  per-batch index range [lo, hi) that may hold visible keys is computed in the wrapper (analytically
+  from q_pos when k_pos is the default arange, by one fused reduction over k_pos otherwise) and the N
+  splits partition only that range, so a half-empty preallocated cache or a short window over a long
+  one still keeps every SM busy on the keys that matter. With default positions, keys inside the range
+  but outside the visible positions are also masked out of the K/V loads (their bytes stay in HBM).
+  With explicit k_pos the loads are masked by the chunk bounds only, because a load mask that depends
+  on the loaded k_pos makes Triton single-buffer K/V; NaN in empty slots is neutralised after the load.
+- Each split writes a float32 partial (o normalised, lse natural log, -inf when it saw no key); the
+  wrapper merges splits exactly with a log-sum-exp weighted sum (the same merge as rkv.merge).
+
+Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K, D head dim,
+R packed query rows per kv head, N splits along S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from rkv import validation
+
+MAX_QUERY_LEN = 16  # beyond this the packed tile (T*G rows) stops being "decode"; use flash attention.
+
+# H200 (DESIGN.md §5). Programs are small (one [R, D] accumulator, K/V tiles in shared memory), so a few
+# co-reside per SM; ~4 programs per SM hides the tail of the last wave and the pipeline prologue.
+_NUM_SMS = 132
+_TARGET_PROGRAMS = 4 * _NUM_SMS
+# Below ~512 keys per program the pipeline prologue/epilogue (first loads in flight, final store)
+# is no longer small next to the streaming time (512 keys x 256 B x 2 = 256 KiB per program at D=128 bf16).
+_MIN_KEYS_PER_SPLIT = 512
+# One pipeline buffer holds a K and a V tile. Compiled for sm_90 (Triton 3.9), block_k=64 and
+# num_stages=3 at bf16 D=128 gives two 32 KiB K/V buffers, 70 KiB of shared memory and 88 registers,
+# so up to three programs share an SM's 227 KiB (one computes while the others wait on HBM); one
+# buffer in flight per program (32 KiB) is already about twice the bytes an SM must keep in flight
+# for its 1/132 share of ~3.3 TB/s at ~700 ns of HBM latency.
+_STAGE_BYTES = 32 * 1024
+# Keep the [rows, block_k] float32 logits tile at <= 16K elements (64 KiB of registers over 4..8 warps).
+_MAX_LOGIT_TILE = 16 * 1024
+# The float32 accumulator [rows, Dp] lives in registers: <= 16K elements per program keeps it at
+# <= 64 registers a thread with 8 warps. Compiled for sm_90 (Triton 3.9, ptxas), T=16 G=8 D=128 in one
+# 4-warp program used 255 registers and spilled ~1 KB; with 8 warps it does not.
+_MAX_ACC = 16 * 1024
+
+_INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# (1) Block sizes
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the decode kernel. ``None`` fields are chosen from the shapes (see ``resolve``).
+
+  Defaults for the H200 at bf16 D=128, S=32K..512K: block_k=64 (16 KiB K + 16 KiB V per buffer),
+  num_stages=3 (Triton double-buffers K/V through cp.async: 70 KiB of shared memory, so several
+  programs fit on an SM), num_warps=4 (the [16, 64] logits tile is tiny; more warps only add
+  synchronisation), num_splits such that B*K*N ~ 4 x 132 programs but no split shorter than 512 keys.
+  These are reasoned and compile-checked for sm_90 (no spills), not yet timed: the H200 sweep decides.
+  """
+
+  block_k: int | None = None     # keys per inner iteration (power of two, >= 16)
+  num_splits: int | None = None  # N: programs per (batch, kv head) along S
+  num_warps: int | None = None
+  num_stages: int | None = None  # Triton software-pipelining depth of the K/V loads
+  block_rows: int | None = None  # packed query rows per program (power of two >= 16); None: all R
+                                 # rows up to 16K / Dp of them (accumulator register budget)
+
+  def resolve(self, *, batch: int, kv_heads: int, kv_len: int, rows: int, head_dim: int,
+              kv_itemsize: int) -> BlockSizes:
+    """Fills the ``None`` fields for one call; ``rows`` is the padded packed tile height R and
+    ``head_dim`` the padded Dp."""
+    block_rows = self.block_rows
+    if block_rows is None:
+      block_rows = max(16, _floor_pow2(_MAX_ACC // head_dim))
+    rows = min(rows, block_rows)
+    block_k = self.block_k
+    if block_k is None:
+      # Largest power of two whose K+V stage fits _STAGE_BYTES (64 at bf16 D=128, 128 for int8), no
+      # larger than 128 (per-iteration overhead is already small there) nor than the logits-tile
+      # register budget.
+      per_key = 2 * head_dim * kv_itemsize
+      block_k = min(128, _floor_pow2(_STAGE_BYTES // per_key), _floor_pow2(_MAX_LOGIT_TILE // rows))
+      block_k = max(16, min(block_k, _next_pow2(kv_len)))
+    num_splits = self.num_splits
+    if num_splits is None:
+      want = -(-_TARGET_PROGRAMS // (batch * kv_heads))
+      num_splits = max(1, min(want, kv_len // _MIN_KEYS_PER_SPLIT))
+    num_warps = self.num_warps
+    if num_warps is None:
+      # The accumulator [rows, Dp] and the logits [rows, block_k] both sit in registers: up to ~96 of
+      # them a thread, 4 warps (the decode case, [16, 128] + [16, 64], uses 88 registers on sm_90);
+      # beyond, 8 warps (T=16 G=4 int8, [64, 128] + [64, 128], at 4 warps compiled to 255 registers).
+      num_warps = 4 if rows * (head_dim + block_k) <= 4 * 32 * 96 else 8
+    num_stages = 3 if self.num_stages is None else self.num_stages
+    return BlockSizes(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                      num_stages=num_stages, block_rows=rows)
+
+  def check(self, where: str) -> None:
+    if self.block_k is not None and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+      raise ValueError(f"{where}: block_sizes.block_k must be a power of two >= 16 (Triton dot), "
+                       f"got {self.block_k}")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"{where}: block_sizes.num_splits must be >= 1, got {self.num_splits}")
+    if self.num_warps is not None and (self.num_warps < 1 or self.num_warps > 16
+                                       or self.num_warps & (self.num_warps - 1)):
+      raise ValueError(f"{where}: block_sizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    if self.num_stages is not None and self.num_stages < 1:
+      raise ValueError(f"{where}: block_sizes.num_stages must be >= 1, got {self.num_stages}")
+    if self.block_rows is not None and (self.block_rows < 16
+                                        or self.block_rows & (self.block_rows - 1)):
+      raise ValueError(f"{where}: block_sizes.block_rows must be a power of two >= 16 (Triton dot), "
+                       f"got {self.block_rows}")
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+  return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (2) Kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, rows: int,
+                   head_dim: int, causal: bool, window: int | None, softcap: float | None,
+                   scale: float, dense_k_pos: bool, quantized: bool, compute_dtype):
+  """One (batch b, kv head h and row block, split n) program.
+
+  Refs (leading block dims squeezed by the BlockSpecs):
+    bounds [4] int32: lo, hi (index range of S that may hold visible keys), kmin, kmax (positions a
+      visible key can have, kmin >= 0 so that it also rejects empty slots)
+    qpos [Rb] int32, q [Rb, Dp] (Rb = block_rows of the R packed rows); kpos [S] int32 (absent when
+    k_pos is the default arange); k, v [S, D]; k_scale, v_scale [S] float32 (int8 only)
+    outputs: o [Rb, Dp] float32 (normalised within the split), lse [Rb] float32 (natural log)
+  ``rows`` = T*G, the packed rows that are real (the rest pad R to a power of two).
+  """
+  it = iter(refs)
+  bounds_ref, qpos_ref, q_ref = next(it), next(it), next(it)
+  kpos_ref = None if dense_k_pos else next(it)
+  k_ref, v_ref = next(it), next(it)
+  ks_ref, vs_ref = (next(it), next(it)) if quantized else (None, None)
+  o_ref, lse_ref = next(it), next(it)
+
+  r_pad, d_pad = q_ref.shape
+  lo, hi, kmin, kmax = bounds_ref[0], bounds_ref[1], bounds_ref[2], bounds_ref[3]
+  # The N splits partition [lo, hi) in chunks that are whole blocks, so only the last block of the
+  # last non-empty split is partial. hi - lo >= 0 is guaranteed by the wrapper.
+  chunk = ((hi - lo + num_splits - 1) // num_splits + block_k - 1) // block_k * block_k
+  start = lo + pl.program_id(2) * chunk
+  stop = jnp.minimum(start + chunk, hi)
+  num_blocks = (jnp.maximum(stop - start, 0) + block_k - 1) // block_k
+
+  q = q_ref[...]
+  qpos = qpos_ref[...]
+  # Head dims that are not powers of two: load Dp columns, fetch only the first D.
+  d_ok = None
+  if d_pad != head_dim:
+    d_ok = lax.broadcasted_iota(jnp.int32, (1, d_pad), 1) < head_dim
+
+  def body(i, carry):
+    acc, m_prev, l_prev = carry
+    s0 = start + i * block_k
+    idx = s0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    in_chunk = idx < stop
+    if dense_k_pos:
+      kpos = idx
+    else:
+      kpos = plgpu.load(kpos_ref.at[pl.ds(s0, block_k)], mask=in_chunk, other=-1)
+    # Keys some row may see (kmin >= 0, so empty slots are out too).
+    col = in_chunk & (kpos >= kmin) & (kpos <= kmax)
+    # Load masks must not depend on the k_pos load: Triton then puts K/V one pipeline stage behind it
+    # with a single buffer (seen in the sm_90 TTGIR), halving the bytes in flight. So with explicit
+    # k_pos only the chunk bounds mask the loads ([lo, hi) already skipped the unseen ranges), and
+    # NaN in empty slots is neutralised after the load: in K by the -inf mask on the logits, in V by
+    # a select (p = 0 there, but 0 * NaN = NaN in the dot).
+    load_ok = col if dense_k_pos else in_chunk
+    kv_mask = load_ok[:, None] if d_ok is None else load_ok[:, None] & d_ok
+    kv_cols = pl.ds(0, d_pad)
+    k = plgpu.load(k_ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
+    s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)  # [R, block_k]
+    if quantized:  # int8 K: dequantise the logits column-wise, one multiply per key, not per element.
+      ks = plgpu.load(ks_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+      s = s * (ks * scale)[None, :]
+    else:
+      s = s * scale
+    if softcap is not None:
+      s = softcap * jnp.tanh(s / softcap)
+    vis = col[None, :]
+    if causal:
+      vis = vis & (kpos[None, :] <= qpos[:, None])
+    if window is not None:
+      vis = vis & (qpos[:, None] - kpos[None, :] < window)
+    s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 then so exp gives 0, not NaN.
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_shift[:, None])
+    alpha = jnp.exp(m_prev - m_shift)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1)
+    v = plgpu.load(v_ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
+    if not dense_k_pos:
+      v = jnp.where(col[:, None], v, jnp.zeros_like(v))
+    if quantized:  # int8 V: fold the per-key scale into p before the dot.
+      vs = plgpu.load(vs_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+      p = p * jnp.where(col, vs, 0.0)[None, :]
+    pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)  # [R, Dp]
+    return acc * alpha[:, None] + pv, m_new, l_new
+
+  init = (jnp.zeros((r_pad, d_pad), jnp.float32), jnp.full((r_pad,), -jnp.inf, jnp.float32),
+          jnp.zeros((r_pad,), jnp.float32))
+  acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o = acc / l_safe[:, None]
+  lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+  if rows == r_pad * num_row_blocks:
+    o_ref[...] = o
+    lse_ref[...] = lse
+  else:  # padded rows are discarded by the wrapper; do not spend write bandwidth on them.
+    first_row = (pl.program_id(1) % num_row_blocks) * r_pad
+    row_ok = first_row + lax.broadcasted_iota(jnp.int32, (r_pad,), 0) < rows
+    plgpu.store(o_ref, o, mask=jnp.broadcast_to(row_ok[:, None], (r_pad, d_pad)))
+    plgpu.store(lse_ref, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (3) Jitted wrappers
+# ---------------------------------------------------------------------------------------------------
+
+_STATIC = ("causal", "window", "softcap", "scale", "block_sizes", "interpret")
+
+
+def _compute_dtype(q_dtype, kv_dtype):
+  """dtype of the dot operands: the cache's own float type (q is cast to it, so bf16/f16 caches run on
+  the tensor cores at full rate); for int8, q's dtype (every int8 value is exact in bf16/f16/f32)."""
+  if jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8):
+    return jnp.dtype(q_dtype)
+  return jnp.dtype(kv_dtype)
+
+
+def _key_bounds(q_pos, k_pos, kv_len: int, *, causal: bool, window: int | None):
+  """[B, 4] int32 (lo, hi, kmin, kmax): keys at indices outside [lo, hi), or with positions outside
+  [kmin, kmax], are invisible to every query of the batch row. Costs O(B*T) when k_pos is the default
+  arange and one fused min/max reduction over k_pos [B, S] (4 bytes a key, <1% of the K/V bytes) else."""
+  qmin = jnp.min(q_pos, axis=1)
+  qmax = jnp.max(q_pos, axis=1)
+  kmax = qmax if causal else jnp.full_like(qmax, _INT32_MAX)
+  if window is None:
+    kmin = jnp.zeros_like(qmin)
+  else:  # q - k < window  <=>  k >= q - window + 1; written so that it cannot underflow int32.
+    kmin = jnp.where(qmin > window - 1, qmin - (window - 1), 0)
+  if k_pos is None:  # positions are indices
+    lo = kmin
+    hi = jnp.where(kmax < 0, 0, jnp.minimum(kmax, kv_len - 1) + 1)
+  else:
+    cand = (k_pos >= kmin[:, None]) & (k_pos <= kmax[:, None])
+    idx = lax.broadcasted_iota(jnp.int32, k_pos.shape, 1)
+    lo = jnp.min(jnp.where(cand, idx, kv_len), axis=1)
+    hi = jnp.max(jnp.where(cand, idx + 1, 0), axis=1)
+  lo = jnp.minimum(lo, kv_len)
+  hi = jnp.maximum(hi, lo)
+  lo = lo // 16 * 16  # aligned block starts; the extra keys are rejected by [kmin, kmax]
+  return jnp.stack([lo, hi, kmin, kmax], axis=1).astype(jnp.int32)
+
+
+def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
+                     block_sizes: BlockSizes, interpret: bool):
+  """Runs the kernel. Returns o [B, N, K, R, Dp] float32 and lse [B, N, K, R] float32 (packed rows)."""
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = h // kh
+  rows = t * g
+  r_pad = max(16, _next_pow2(rows))
+  d_pad = max(16, _next_pow2(d))
+  cdt = _compute_dtype(q.dtype, k.dtype)
+  quantized = jnp.dtype(k.dtype) == jnp.dtype(jnp.int8)
+  bk, n, rb = block_sizes.block_k, block_sizes.num_splits, block_sizes.block_rows
+  nrb = r_pad // rb  # row blocks; 1 unless R*Dp overflows the registers (see _MAX_ACC)
+  if s == 0:  # an empty cache: every row sees nothing (and a zero-size block cannot be launched)
+    return (jnp.zeros((b, n, kh, r_pad, d_pad), jnp.float32),
+            jnp.full((b, n, kh, r_pad), -jnp.inf, jnp.float32))
+
+  # Pack the G*T rows of each kv head (row r = t*G + g); q is tiny, so this copy is free.
+  qp = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d).astype(cdt)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, r_pad - rows), (0, d_pad - d)))
+  qpos_rows = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, r_pad - rows)))
+  bounds = _key_bounds(q_pos, k_pos, s, causal=causal, window=window)
+
+  # Grid axis 1 is kv head * row block, row blocks of one head adjacent so that they read the same
+  # K/V at about the same time (L2 hits). Axis 0 (B) is the fastest-launched.
+  operands = [bounds, qpos_rows, qp]
+  in_specs = [pl.BlockSpec((None, 4), lambda i, j, n_: (i, 0)),
+              pl.BlockSpec((None, rb), lambda i, j, n_: (i, j % nrb)),
+              pl.BlockSpec((None, None, rb, d_pad), lambda i, j, n_: (i, j // nrb, j % nrb, 0))]
+  if k_pos is not None:
+    operands.append(k_pos)
+    in_specs.append(pl.BlockSpec((None, s), lambda i, j, n_: (i, 0)))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, n_: (i, 0, j // nrb, 0))
+  operands += [k, v]
+  in_specs += [kv_spec, kv_spec]
+  if quantized:
+    operands += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    in_specs += [pl.BlockSpec((None, s, None), lambda i, j, n_: (i, 0, j // nrb))] * 2
+
+  kernel = functools.partial(
+      _decode_kernel, block_k=bk, num_splits=n, num_row_blocks=nrb, rows=rows, head_dim=d,
+      causal=causal, window=window, softcap=softcap, scale=scale, dense_k_pos=k_pos is None,
+      quantized=quantized, compute_dtype=cdt)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, kh * nrb, n),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, None, rb, d_pad),
+                              lambda i, j, n_: (i, n_, j // nrb, j % nrb, 0)),
+                 pl.BlockSpec((None, None, None, rb), lambda i, j, n_: (i, n_, j // nrb, j % nrb))],
+      out_shape=[jax.ShapeDtypeStruct((b, n, kh, r_pad, d_pad), jnp.float32),
+                 jax.ShapeDtypeStruct((b, n, kh, r_pad), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                           num_stages=block_sizes.num_stages),
+      interpret=interpret,
+      name="rkv_decode_attention",
+  )(*operands)
+
+
+def _unpack(x, t: int, g: int, d: int | None):
+  """[..., K, R, Dp] (or [..., K, R]) packed rows -> [..., T, H, D] (or [..., T, H]), h = k*G + g."""
+  kh = x.shape[-3] if d is not None else x.shape[-2]
+  lead = x.shape[:-3] if d is not None else x.shape[:-2]
+  nl = len(lead)
+  if d is not None:
+    x = x[..., : t * g, :d].reshape(*lead, kh, t, g, d)
+    x = jnp.moveaxis(x, nl, nl + 1)  # [..., T, K, G, D]
+    return x.reshape(*lead, t, kh * g, d)
+  x = x[..., : t * g].reshape(*lead, kh, t, g)
+  x = jnp.moveaxis(x, nl, nl + 1)
+  return x.reshape(*lead, t, kh * g)
+
+
+def _merge_splits(o_parts, lse_parts, axis: int):
+  """Exact LSE-weighted merge over ``axis``; all -inf gives lse=-inf and o=0, never NaN."""
+  mx = jnp.max(lse_parts, axis=axis, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = jnp.exp(lse_parts - mx)  # 0 for splits that saw no key
+  den = jnp.sum(w, axis=axis)
+  seen = den > 0
+  o = jnp.sum(w[..., None] * o_parts, axis=axis) / jnp.where(seen, den, 1.0)[..., None]
+  lse = jnp.where(seen, jnp.squeeze(mx, axis) + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+  return o, lse
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
+                          block_sizes, interpret):
+  t, h, d = q.shape[1:]
+  g = h // k.shape[2]
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, causal=causal, window=window,
+                                softcap=softcap, scale=scale, block_sizes=block_sizes,
+                                interpret=interpret)
+  rows = t * g
+  # Merge on the packed layout (drop padded rows/columns first: the slices fuse into the merge).
+  o, lse = _merge_splits(o_p[..., :rows, :d], lse_p[..., :rows], axis=1)  # [B, K, rows, D], [B, K, rows]
+  return _unpack(o, t, g, d).astype(q.dtype), _unpack(lse, t, g, None)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_partials_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
+                         block_sizes, interpret):
+  t, h, d = q.shape[1:]
+  g = h // k.shape[2]
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, causal=causal, window=window,
+                                softcap=softcap, scale=scale, block_sizes=block_sizes,
+                                interpret=interpret)
+  o_p = jnp.moveaxis(_unpack(o_p, t, g, d), 1, 0)  # [N, B, T, H, D]
+  lse_p = jnp.moveaxis(_unpack(lse_p, t, g, None), 1, 0)  # [N, B, T, H]
+  return o_p, lse_p
+
+
+def _prepare(where, q, k, v, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
+             block_sizes, interpret):
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   where=where)
+  if args.q_len > MAX_QUERY_LEN:
+    raise ValueError(f"{where}: q must have T <= {MAX_QUERY_LEN} query tokens (decode), got shape "
+                     f"{tuple(q.shape)}; use flash attention for longer queries")
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  elif not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"{where}: block_sizes must be a BlockSizes or None, got {type(block_sizes)}")
+  block_sizes.check(where)
+  r_pad = max(16, _next_pow2(args.q_len * args.group))
+  block_sizes = block_sizes.resolve(
+      batch=args.batch, kv_heads=args.num_kv_heads, kv_len=args.kv_len, rows=r_pad,
+      head_dim=max(16, _next_pow2(args.head_dim)), kv_itemsize=jnp.dtype(k.dtype).itemsize)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  operands = (q, k, v, args.q_pos, None if k_pos is None else args.k_pos, k_scale, v_scale)
+  static = dict(causal=bool(causal), window=None if window is None else int(window),
+                softcap=None if softcap is None else float(softcap), scale=args.scale,
+                block_sizes=block_sizes, interpret=bool(interpret))
+  return operands, static
+
+
+def decode_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
+                     window=None, softcap=None, scale=None, block_sizes: BlockSizes | None = None,
+                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """Exact attention of T <= 16 query tokens over S keys, split along S across the GPU.
+
+  q [B,T,H,D]; k, v [B,S,K,D] (bf16, f16, f32, or int8 with k_scale/v_scale [B,S,K] float32);
+  q_pos [B,T], k_pos [B,S] int32 (defaults: k_pos = arange(S), q_pos = S - T + arange(T); k_pos < 0
+  marks an empty slot whose K/V may be NaN). Returns o [B,T,H,D] in q's dtype and lse [B,T,H] float32,
+  natural log; a row that sees no key gets o = 0, lse = -inf. ``interpret=None`` interprets on CPU.
+
+  Leave ``k_pos=None`` when positions are the indices: the kernel then derives them from the index
+  (no k_pos read, no [B,S] reduction in the wrapper, loads masked by visibility, fewer registers).
+  """
+  operands, static = _prepare("decode_attention", q, k, v, q_pos, k_pos, k_scale, v_scale, causal,
+                              window, softcap, scale, block_sizes, interpret)
+  return _decode_attention_jit(*operands, **static)
+
+
+def decode_attention_partials(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                              causal=True, window=None, softcap=None, scale=None,
+                              block_sizes: BlockSizes | None = None,
+                              interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """The unmerged per-split results of :func:`decode_attention`, for callers that merge them with
+  other partials (e.g. a streamed host tail) themselves.
+
+  Returns o [N,B,T,H,D] float32 (each split normalised on its own) and lse [N,B,T,H] float32 natural
+  log (-inf, with o = 0, where a split saw no key for that row). Split n covers a contiguous index
+  range of S that depends on the data (the splits partition the range that may hold visible keys);
+  merging all N with the LSE-weighted sum (``rkv.attention.merge_partials``) gives exactly
+  :func:`decode_attention`.
+  """
+  operands, static = _prepare("decode_attention_partials", q, k, v, q_pos, k_pos, k_scale, v_scale,
+                              causal, window, softcap, scale, block_sizes, interpret)
+  return _decode_partials_jit(*operands, **static)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (4) Reference
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "softcap", "scale"))
+def _reference_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale):
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  g = h // kh
+  kf = k.astype(jnp.float32)
+  vf = v.astype(jnp.float32)
+  if k_scale is not None:
+    kf = kf * k_scale.astype(jnp.float32)[..., None]
+    vf = vf * v_scale.astype(jnp.float32)[..., None]
+  valid = (k_pos >= 0)[:, :, None, None]
+  kf = jnp.where(valid, kf, 0.0)  # empty slots may hold NaN; 0 * NaN would leak through the dots
+  vf = jnp.where(valid, vf, 0.0)
+  qf = q.astype(jnp.float32).reshape(b, t, kh, g, d)
+  hi = lax.Precision.HIGHEST  # no TF32 on GPU: this is the reference
+  s = jnp.einsum("btkgd,bskd->btkgs", qf, kf, precision=hi) * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  qp = q_pos[:, :, None]
+  kp = k_pos[:, None, :]
+  mask = kp >= 0
+  if causal:
+    mask = mask & (kp <= qp)
+  if window is not None:
+    mask = mask & (qp - kp < window)
+  mask = mask[:, :, None, None, :]  # [B,T,1,1,S]
+  s = jnp.where(mask, s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.where(mask, jnp.exp(s - mx), 0.0)
+  den = jnp.sum(p, axis=-1)
+  seen = den > 0
+  o = jnp.einsum("btkgs,bskd->btkgd", p, vf, precision=hi) / jnp.where(seen, den, 1.0)[..., None]
+  lse = jnp.where(seen, mx[..., 0] + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+  return o.reshape(b, t, h, d).astype(q.dtype), lse.reshape(b, t, h)
+
+
+def decode_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                               causal=True, window=None, softcap=None,
+                               scale=None) -> tuple[jax.Array, jax.Array]:
+  """Plain-jnp float32 attention with the full [B,T,S] mask; same contract as decode_attention."""
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   where="decode_attention_reference")
+  return _reference_jit(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=bool(causal),
+                        window=None if window is None else int(window),
+                        softcap=None if softcap is None else float(softcap), scale=args.scale)

@@ -1,0 +1,296 @@
+"""rkv.pallas.decode_attention (split-K decode kernel) against the float64 NumPy reference.
+
+Runs the Pallas kernel with interpret=True on CPU, on small shapes with tiny blocks (block_k=16, a few
+splits) so that partial blocks, uneven splits, empty splits and masked rows all happen.
+Glossary: B T H K G D S (see rkv/__init__.py); N = number of splits along S.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rkv.pallas import decode_attention as da
+from tests import numpy_reference
+
+# Tolerances on o from the dtype of the K/V operands fed to the dots: p is rounded to that dtype
+# before the PV dot and o is rounded to q's dtype at the end, so ~4 ulp of the narrow type on values
+# of order 1. LSE is computed in float32 from exact products (bf16*bf16 is exact in f32), so it is
+# tight for every dtype.
+O_TOL = {
+    "float32": dict(atol=2e-5, rtol=2e-5),
+    "float16": dict(atol=2e-3, rtol=2e-3),   # 4 * 2**-11
+    "bfloat16": dict(atol=1.6e-2, rtol=1.6e-2),  # 4 * 2**-8
+}
+LSE_TOL = {"float32": 2e-5, "float16": 1e-4, "bfloat16": 1e-4}
+
+TINY = da.BlockSizes(block_k=16, num_splits=3)
+
+
+def _inputs(seed, b, t, h, kh, d, s, dtype=jnp.float32, q_dtype=None):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, h, d)), q_dtype or dtype)
+  k = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+  return q, k, v
+
+
+def _f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _check(q, k, v, *, tol_name, block_sizes=TINY, q_pos=None, k_pos=None, k_scale=None,
+           v_scale=None, causal=True, window=None, softcap=None, scale=None):
+  o, lse = da.decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                               causal=causal, window=window, softcap=softcap, scale=scale,
+                               block_sizes=block_sizes, interpret=True)
+  assert o.dtype == q.dtype and o.shape == q.shape
+  assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+  ro, rl = numpy_reference.attention(_f64(q), _f64(k), _f64(v), q_pos, k_pos, causal=causal,
+                                     window=window, softcap=softcap, scale=scale, k_scale=k_scale,
+                                     v_scale=v_scale)
+  o = np.asarray(jnp.asarray(o, jnp.float32))
+  lse = np.asarray(lse)
+  assert not np.isnan(o).any() and not np.isnan(lse).any()
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rl))
+  np.testing.assert_allclose(o, ro, **O_TOL[tol_name])
+  fin = np.isfinite(rl)
+  np.testing.assert_allclose(lse[fin], rl[fin], atol=LSE_TOL[tol_name], rtol=LSE_TOL[tol_name])
+  return o, lse, ro, rl
+
+
+# T=1/4/16; GQA 1/4/8; D 64/80/96/128; S not a multiple of block_k nor of the split.
+@pytest.mark.parametrize("t,h,kh,d,s,dtype,bs", [
+    (1, 8, 8, 64, 100, "float32", TINY),                          # G=1
+    (4, 8, 2, 80, 77, "float32", TINY),                           # G=4, D=80, S odd
+    (16, 8, 1, 64, 53, "float32", da.BlockSizes(block_k=16, num_splits=2)),  # G=8, T=16: 128 rows
+    (1, 16, 2, 128, 300, "bfloat16", da.BlockSizes(block_k=32, num_splits=4)),
+    (4, 8, 1, 64, 129, "bfloat16", da.BlockSizes(block_k=16, num_splits=5)),
+    (2, 4, 2, 96, 70, "float16", TINY),
+    (3, 8, 2, 64, 2000, "bfloat16", None),                        # default heuristic: 3 splits
+    # Row blocks: 24 real rows of R=32 in two programs of 16 (the second one half padding) ...
+    (3, 8, 1, 64, 70, "float32", da.BlockSizes(block_k=16, num_splits=2, block_rows=16)),
+    # ... and T=16 G=8 (128 rows) in four.
+    (16, 16, 2, 80, 45, "bfloat16", da.BlockSizes(block_k=16, num_splits=3, block_rows=32)),
+])
+def test_matches_reference(t, h, kh, d, s, dtype, bs):
+  q, k, v = _inputs(0, 2, t, h, kh, d, s, jnp.dtype(dtype))
+  _check(q, k, v, tol_name=dtype, block_sizes=bs)
+
+
+def test_f32_query_on_bf16_cache():
+  q, k, v = _inputs(1, 1, 2, 8, 2, 64, 90, jnp.bfloat16, q_dtype=jnp.float32)
+  # q is rounded to the cache's bf16 for the dot: compare with the reference on that rounded q.
+  o, lse = da.decode_attention(q, k, v, block_sizes=TINY, interpret=True)
+  assert o.dtype == jnp.float32
+  ro, rl = numpy_reference.attention(_f64(q.astype(jnp.bfloat16)), _f64(k), _f64(v))
+  np.testing.assert_allclose(np.asarray(o), ro, **O_TOL["bfloat16"])
+  np.testing.assert_allclose(np.asarray(lse), rl, atol=LSE_TOL["bfloat16"], rtol=LSE_TOL["bfloat16"])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_non_causal_and_explicit_q_pos(causal):
+  b, t, s = 2, 4, 90
+  q, k, v = _inputs(2, b, t, 8, 2, 64, s)
+  # Queries in the middle of the cache, not consecutive: causal must hide the keys after each one.
+  q_pos = jnp.asarray([[10, 11, 40, 41], [0, 33, 60, 89]], jnp.int32)
+  _check(q, k, v, tol_name="float32", q_pos=q_pos, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window(causal):
+  b, t, s = 2, 4, 120
+  q, k, v = _inputs(3, b, t, 8, 2, 64, s)
+  q_pos = jnp.asarray([[70, 71, 72, 73], [100, 101, 118, 119]], jnp.int32)
+  _check(q, k, v, tol_name="float32", q_pos=q_pos, causal=causal, window=17)
+
+
+def test_softcap_and_scale():
+  q, k, v = _inputs(4, 2, 4, 8, 2, 80, 75)
+  q = q * 4.0  # large logits so the cap bites
+  _check(q, k, v, tol_name="float32", softcap=5.0, scale=0.3)
+  _check(q, k, v, tol_name="float32", softcap=5.0, window=20)
+
+
+def test_explicit_k_pos_equals_default():
+  """The dense (k_pos=None, positions computed from indices) and loaded k_pos paths agree."""
+  q, k, v = _inputs(5, 2, 4, 8, 2, 64, 100)
+  k_pos = jnp.broadcast_to(jnp.arange(100, dtype=jnp.int32), (2, 100))
+  o1, l1 = da.decode_attention(q, k, v, block_sizes=TINY, window=30, interpret=True)
+  o2, l2 = da.decode_attention(q, k, v, k_pos=k_pos, block_sizes=TINY, window=30, interpret=True)
+  np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-6, rtol=1e-6)
+
+
+def test_holes_with_nan_do_not_leak():
+  b, s, kh = 2, 100, 2
+  q, k, v = _inputs(6, b, 4, 8, kh, 64, s)
+  rng = np.random.default_rng(6)
+  holes = rng.random((b, s)) < 0.3
+  holes[:, 37:52] = True
+  # Ring-buffer-like positions: a permutation, so positions are not monotone in the index.
+  k_pos = np.stack([rng.permutation(s) for _ in range(b)]).astype(np.int32)
+  k_pos[holes] = -1
+  k = jnp.where(jnp.asarray(holes)[:, :, None, None], jnp.nan, k)
+  v = jnp.where(jnp.asarray(holes)[:, :, None, None], jnp.nan, v)
+  q_pos = jnp.asarray([[96, 97, 98, 99], [20, 50, 80, 99]], jnp.int32)
+  _check(q, k, v, tol_name="float32", q_pos=q_pos, k_pos=jnp.asarray(k_pos))
+  _check(q, k, v, tol_name="float32", q_pos=q_pos, k_pos=jnp.asarray(k_pos), causal=False, window=40)
+
+
+def test_entirely_empty_split():
+  """Split 1 of 3 covers only empty (NaN) slots: its partial is lse=-inf, o=0, and the merge ignores it."""
+  b, s, t = 1, 120, 2
+  q, k, v = _inputs(7, b, t, 8, 2, 64, s)
+  k_pos = np.arange(s, dtype=np.int32)[None].copy()
+  # Visible range is [0, 120): chunk = round_up(ceil(120/3), 16) = 48, so split 1 is [48, 96).
+  k_pos[:, 48:96] = -1
+  k = k.at[:, 48:96].set(jnp.nan)
+  v = v.at[:, 48:96].set(jnp.nan)
+  k_pos = jnp.asarray(k_pos)
+  o_p, lse_p = da.decode_attention_partials(q, k, v, k_pos=k_pos, block_sizes=TINY, interpret=True)
+  assert o_p.shape == (3, b, t, 8, 64) and lse_p.shape == (3, b, t, 8)
+  assert np.all(np.isneginf(np.asarray(lse_p[1])))
+  assert np.all(np.asarray(o_p[1]) == 0)
+  assert np.all(np.isfinite(np.asarray(lse_p[0]))) and np.all(np.isfinite(np.asarray(lse_p[2])))
+  _check(q, k, v, tol_name="float32", k_pos=k_pos)
+
+
+def test_fully_masked_rows():
+  b, t, s = 3, 4, 64
+  q, k, v = _inputs(8, b, t, 8, 2, 64, s)
+  k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+  k_pos[2] = -1  # batch row 2: an empty cache, every row sees nothing
+  k = k.at[2].set(jnp.nan)
+  v = v.at[2].set(jnp.nan)
+  # Batch 0: a query before every key (causal) sees nothing; batch 1: fine.
+  q_pos = jnp.asarray([[-5, 3, 30, 63], [60, 61, 62, 63], [60, 61, 62, 63]], jnp.int32)
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", q_pos=q_pos, k_pos=jnp.asarray(k_pos))
+  assert np.all(o[0, 0] == 0) and np.all(np.isneginf(lse[0, 0]))
+  assert np.all(o[2] == 0) and np.all(np.isneginf(lse[2]))
+  assert np.all(np.isfinite(lse[1]))
+  # Window: keys exist but all are too old for the row at q_pos=200.
+  q_pos2 = jnp.asarray([[200, 63, 63, 63]] * b, jnp.int32)
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", q_pos=q_pos2, k_pos=jnp.asarray(k_pos), window=8)
+  assert np.all(o[:, 0] == 0) and np.all(np.isneginf(lse[:, 0]))
+
+
+def test_empty_cache():
+  q = jnp.ones((2, 3, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 0, 2, 64), jnp.bfloat16)
+  o, lse = da.decode_attention(q, k, k, interpret=True)
+  assert o.shape == q.shape and np.all(np.asarray(o, np.float32) == 0)
+  assert np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_lse_is_natural_log():
+  """With q = 0 every visible key has logit 0, so lse = ln(#visible keys) exactly (not log2)."""
+  b, t, s = 1, 2, 80
+  _, k, v = _inputs(9, b, t, 8, 2, 64, s)
+  q = jnp.zeros((b, t, 8, 64), jnp.float32)
+  q_pos = jnp.asarray([[39, 79]], jnp.int32)
+  _, lse = da.decode_attention(q, k, v, q_pos=q_pos, block_sizes=TINY, interpret=True)
+  np.testing.assert_allclose(np.asarray(lse[0, 0]), np.log(40.0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse[0, 1]), np.log(80.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("q_dtype,tol_name", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_int8_kv(q_dtype, tol_name):
+  b, s, kh, d = 2, 90, 2, 64
+  q, kf, vf = _inputs(10, b, 4, 8, kh, d, s, jnp.float32, q_dtype=jnp.dtype(q_dtype))
+  k8, ks = numpy_reference.quantize_int8(kf)
+  v8, vs = numpy_reference.quantize_int8(vf)
+  k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+  k_pos[:, 10:20] = -1
+  ks[:, 10:20] = np.nan  # empty slots: garbage scales must not leak either
+  vs[:, 10:20] = np.nan
+  _check(q, jnp.asarray(k8), jnp.asarray(v8), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs),
+         k_pos=jnp.asarray(k_pos), tol_name=tol_name, window=60, softcap=20.0)
+
+
+def test_deterministic():
+  q, k, v = _inputs(11, 2, 4, 8, 2, 80, 99, jnp.bfloat16)
+  a = da.decode_attention(q, k, v, block_sizes=TINY, window=50, interpret=True)
+  c = da.decode_attention(q, k, v, block_sizes=TINY, window=50, interpret=True)
+  for x, y in zip(a, c):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def _merge_np(o_p, lse_p):
+  o_p = np.asarray(o_p, np.float64)
+  lse_p = np.asarray(lse_p, np.float64)
+  mx = lse_p.max(0)
+  mx = np.where(np.isfinite(mx), mx, 0.0)
+  w = np.exp(lse_p - mx)
+  den = w.sum(0)
+  o = (w[..., None] * o_p).sum(0) / np.where(den > 0, den, 1.0)[..., None]
+  with np.errstate(divide="ignore"):
+    lse = np.where(den > 0, mx + np.log(den), -np.inf)
+  return o, lse
+
+
+def test_partials_merge_to_unsplit():
+  q, k, v = _inputs(12, 2, 4, 8, 2, 64, 100)
+  q_pos = jnp.asarray([[96, 97, 98, 99], [-3, 40, 41, 99]], jnp.int32)
+  o_p, lse_p = da.decode_attention_partials(q, k, v, q_pos=q_pos, block_sizes=TINY, window=70,
+                                            interpret=True)
+  assert o_p.shape == (3, 2, 4, 8, 64) and o_p.dtype == jnp.float32
+  o1, l1 = da.decode_attention(q, k, v, q_pos=q_pos, window=70, interpret=True,
+                               block_sizes=da.BlockSizes(block_k=16, num_splits=1))
+  om, lm = _merge_np(o_p, lse_p)
+  np.testing.assert_array_equal(np.isneginf(lm), np.isneginf(np.asarray(l1)))
+  np.testing.assert_allclose(om, np.asarray(o1), atol=1e-5, rtol=1e-5)
+  fin = np.isfinite(lm)
+  np.testing.assert_allclose(lm[fin], np.asarray(l1)[fin], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_function_matches_numpy():
+  q, k, v = _inputs(13, 2, 4, 8, 2, 80, 60)
+  k_pos = np.broadcast_to(np.arange(60, dtype=np.int32), (2, 60)).copy()
+  k_pos[1, 5:25] = -1
+  k = k.at[1, 5:25].set(jnp.nan)
+  o, lse = da.decode_attention_reference(q, k, v, k_pos=jnp.asarray(k_pos), window=33, softcap=7.0)
+  ro, rl = numpy_reference.attention(_f64(q), _f64(k), _f64(v), None, k_pos, window=33, softcap=7.0)
+  np.testing.assert_allclose(np.asarray(o), ro, **O_TOL["float32"])
+  np.testing.assert_allclose(np.asarray(lse), rl, atol=LSE_TOL["float32"], rtol=LSE_TOL["float32"])
+
+
+def test_default_block_sizes():
+  def resolve(b, kh, s, rows=16, d=128, itemsize=2):
+    return da.BlockSizes().resolve(batch=b, kv_heads=kh, kv_len=s, rows=rows, head_dim=d,
+                                   kv_itemsize=itemsize)
+  big = resolve(1, 8, 512 * 1024)
+  assert big.block_k == 64 and big.num_splits * 8 >= 4 * 132
+  assert resolve(8, 8, 32 * 1024).num_splits * 64 >= 4 * 132
+  assert resolve(1, 8, 1000).num_splits == 1  # short caches are not split below 512 keys
+  assert resolve(1, 8, 32 * 1024, d=256).block_k == 32  # keeps a K+V stage at 32 KiB
+  assert resolve(1, 8, 32 * 1024, itemsize=1).block_k == 128  # int8
+  assert resolve(1, 2, 32 * 1024, rows=256).block_k == 64  # [R, block_k] logits within registers
+  assert resolve(1, 8, 20).block_k == 32  # never much wider than the cache
+  assert big.block_rows == 16 and big.num_warps == 4
+  t16 = resolve(1, 4, 4096, rows=256)  # T=16, G=16: accumulator would not fit one program
+  assert t16.block_rows == 128 and t16.num_warps == 8
+  assert resolve(1, 4, 4096, rows=128, d=256).block_rows == 64
+  assert da.BlockSizes(block_k=32).resolve(batch=1, kv_heads=8, kv_len=10**6, rows=16, head_dim=128,
+                                           kv_itemsize=2).block_k == 32
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, v: da.decode_attention(jnp.zeros((1, 17, 8, 64)), k, v), "q"),
+    (lambda q, k, v: da.decode_attention(q, k, v[:, :50]), "v shape"),
+    (lambda q, k, v: da.decode_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)),
+     "kv heads"),
+    (lambda q, k, v: da.decode_attention(q, k, v, q_pos=jnp.zeros((1, 3), jnp.int32)), "q_pos"),
+    (lambda q, k, v: da.decode_attention(q, k.astype(jnp.int8), v.astype(jnp.int8)), "k_scale"),
+    (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(block_k=24)), "block_k"),
+    (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(num_splits=0)),
+     "num_splits"),
+    (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(block_rows=8)),
+     "block_rows"),
+    (lambda q, k, v: da.decode_attention_partials(jnp.zeros((1, 20, 8, 64)), k, v), "q"),
+])
+def test_bad_input_raises(call, match):
+  q, k, v = _inputs(14, 1, 2, 8, 2, 64, 64)
+  with pytest.raises(ValueError, match=match):
+    call(q, k, v)

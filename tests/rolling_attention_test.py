@@ -1,0 +1,297 @@
+"""Rolling (window + staging + streamed host tail) attention equals resident attention.
+
+Every case builds a ``RollingKV`` from the same cells a resident call sees and compares
+``rkv.rolling_attention`` against ``rkv.attention(..., impl="reference")`` on the whole arrays
+and against the float64 NumPy reference, with the suite's named tolerances. Both stream schedules
+run; memory kinds are asserted on every cache the tests build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkv
+from rkv.offload import memory
+from tests import numpy_reference
+from tests import attention_test
+from tests.attention_test import TOLERANCES
+
+# Rolling vs the resident reference on identical inputs: only the merge order differs, so float32
+# agrees to a few ulps of the accumulation (same scale as TOLERANCES["float32"]).
+ROLLING_VS_RESIDENT = {"float32": (2e-6, 2e-6), "bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}
+
+
+def assert_kinds(kv):
+  kinds = rkv.cache.memory_kinds(kv)
+  for name, kind in kinds.items():
+    part, field = name.split(".")
+    want = memory.PINNED_HOST if part == "tail" and field != "pos" else memory.DEVICE
+    assert kind == want, f"{name} is in {kind}, expected {want}"
+  assert kv.window.k.sharding.memory_kind == "device"
+  assert kv.tail.k.sharding.memory_kind == "pinned_host"
+  assert kv.tail.v.sharding.memory_kind == "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  s: int = 75
+  window_cells: int = 20
+  tile: int = 16
+  b: int = 1
+  t: int = 1
+  h: int = 4
+  k: int = 2
+  d: int = 32
+  dtype: str = "float32"
+  kv_dtype: str | None = None
+  causal: bool = True
+  window: int | None = None
+  softcap: float | None = None
+  positions: str = "default"  # default | chunk | holes | ragged
+
+  def __str__(self):
+    return self.name
+
+
+CASES = [
+    Case("w0_all_tail", window_cells=0),
+    Case("w_capacity_resident", window_cells=75),
+    Case("w_between_tail_not_tile_multiple"),
+    Case("tail_exact_tiles", s=84, window_cells=20),  # 64 tail cells = 4 whole tiles, no staging
+    Case("tail_smaller_than_tile", s=30, window_cells=20),  # everything past W stays staged
+    Case("gqa8_softcap", h=8, k=1, softcap=5.0),
+    Case("sliding_window", window=23, t=3),
+    Case("chunk_query_explicit_q_pos", t=9, positions="chunk"),
+    Case("noncausal_chunk", t=6, causal=False),
+    Case("holes_nan_in_tail", t=2, positions="holes"),
+    Case("ragged_batch", b=2, t=1, positions="ragged"),
+    Case("int8", t=2, kv_dtype="int8"),
+    Case("bf16_d48", dtype="bfloat16", d=48),
+]
+
+
+def make(case: Case, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((case.b, case.t, case.h, case.d)).astype(np.float32)
+  k = rng.standard_normal((case.b, case.s, case.k, case.d)).astype(np.float32) * 1.5
+  v = rng.standard_normal((case.b, case.s, case.k, case.d)).astype(np.float32)
+  k_pos = np.broadcast_to(np.arange(case.s, dtype=np.int32), (case.b, case.s)).copy()
+  q_pos = None
+  if case.positions == "chunk":  # a chunk in the middle: later cells (window and tail) are future
+    q_pos = np.broadcast_to(np.arange(case.t, dtype=np.int32) + 37, (case.b, case.t)).copy()
+  elif case.positions == "holes":  # empty slots hold NaN in the window, tail and staging
+    holes = rng.random((case.b, case.s)) < 0.3
+    holes[:, -1] = False
+    k_pos[holes] = -1
+    k[holes] = np.nan
+    v[holes] = np.nan
+  elif case.positions == "ragged":
+    for i in range(case.b):
+      fill = case.s - 23 * i
+      k_pos[i, fill:] = -1
+      k[i, fill:] = np.nan
+    q_pos = np.stack([[case.s - 23 * i - 1] for i in range(case.b)]).astype(np.int32)
+  k_scale = v_scale = None
+  if case.kv_dtype == "int8":
+    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k))
+    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v))
+  dt = jnp.dtype(case.dtype)
+  kv_dt = jnp.int8 if case.kv_dtype == "int8" else dt
+  return (jnp.asarray(q, dt), jnp.asarray(k, kv_dt), jnp.asarray(v, kv_dt), q_pos, k_pos,
+          k_scale, v_scale)
+
+
+def check(case, o, lse, o_ref, lse_ref, tol):
+  o = np.asarray(jnp.asarray(o, jnp.float32))
+  lse = np.asarray(lse)
+  o_ref, lse_ref = np.asarray(o_ref, np.float64), np.asarray(lse_ref, np.float64)
+  assert not np.isnan(o).any() and not np.isnan(lse).any()
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+  np.testing.assert_allclose(o, o_ref, atol=tol[0], rtol=tol[1])
+  finite = ~np.isneginf(lse_ref)
+  np.testing.assert_allclose(lse[finite], lse_ref[finite], atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_rolling_equals_resident(case, schedule):
+  q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=case.window_cells, k_pos=k_pos,
+                                 k_scale=k_scale, v_scale=v_scale, tile_cells=case.tile)
+  assert_kinds(kv)
+  assert kv.fill == case.s and kv.window.k.shape[1] == case.window_cells
+  kw = dict(q_pos=q_pos, causal=case.causal, window=case.window, softcap=case.softcap)
+  o, lse = rkv.rolling_attention(q, kv, impl="xla", schedule=schedule, **kw)
+  assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == jnp.float32
+  ref = rkv.attention(q, k, v, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale, impl="reference",
+                      **kw)
+  check(case, o, lse, *ref, ROLLING_VS_RESIDENT[case.dtype])
+  # ... and the float64 ground truth, at the suite's named tolerances.
+  o64, lse64 = numpy_reference.attention(
+      np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32)),
+      np.asarray(v.astype(jnp.float32)), q_pos, k_pos, causal=case.causal, window=case.window,
+      softcap=case.softcap, k_scale=k_scale, v_scale=v_scale)
+  check(case, o, lse, o64, lse64, TOLERANCES[case.dtype]["o"])
+  assert_kinds(kv)  # attention moved tiles, never the cache
+
+
+@pytest.mark.parametrize("case", attention_test.CASES, ids=str)
+def test_shared_suite_cases(case):
+  # The shared attention suite's cases (holes with NaN, rows that see nothing, ragged batches,
+  # int8, 16-bit, d=80/96/256, GQA 1/4/8) through the streamed tactic: a third of the cells in
+  # the window, the rest in three or more host tiles (plus a staged remainder for most cases).
+  q, k, v, q_pos, k_pos, k_scale, v_scale = attention_test.make_inputs(case)
+  qj, kj, vj = attention_test.to_jax(case, q, k, v)
+  w = case.s // 3
+  kv = rkv.RollingKV.from_arrays(kj, vj, window_cells=w, k_pos=k_pos, k_scale=k_scale,
+                                 v_scale=v_scale, tile_cells=(case.s - w - 1) // 3)
+  assert kv.n_full_tiles >= 3
+  assert_kinds(kv)
+  o, lse = rkv.rolling_attention(qj, kv, q_pos=q_pos, causal=case.causal, window=case.window,
+                                 softcap=case.softcap, scale=case.scale, impl="xla")
+  attention_test.assert_close(case, o, lse, *attention_test.expected(case, qj, kj, vj, q_pos,
+                                                                      k_pos, k_scale, v_scale))
+
+
+def test_resident_path_when_window_holds_everything():
+  case = Case("resident", window_cells=75)
+  q, k, v, *_ = make(case)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=75, tile_cells=16)
+  assert kv.n_tail_tiles == 0 and kv.tail.k.shape[0] == 0 and kv.staging.k.shape[1] == 0
+  o, lse = rkv.rolling_attention(q, kv, impl="xla")
+  o_res, lse_res = rkv.attention(q, k, v, impl="xla")
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_res))  # same code path, bit-equal
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_res))
+
+
+@pytest.mark.parametrize("lookahead", [2, 9])  # 9 >= the 3 tiles: every transfer issued up front
+@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+def test_lookahead_depths(schedule, lookahead):
+  case = Case("lookahead", s=70, window_cells=10, tile=16, t=2)
+  q, k, v, *_ = make(case, seed=2)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  o, lse = rkv.rolling_attention(q, kv, impl="xla", schedule=schedule, lookahead=lookahead)
+  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
+
+
+def test_empty_cache_sees_nothing():
+  kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
+  q = jnp.ones((1, 1, 4, 16))
+  o, lse = rkv.rolling_attention(q, kv, q_pos=jnp.zeros((1, 1), jnp.int32), impl="xla")
+  assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+def test_no_compute_on_host_data(schedule, kv_dtype):
+  # DESIGN.md §4: only slice/bitcast may sit between the host tail and device_put; a cast or
+  # dequantize there would run on the host CPU. The int8 tail must be dequantized on the device.
+  case = Case("hostcheck", kv_dtype=kv_dtype)
+  q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=20, k_scale=k_scale, v_scale=v_scale,
+                                 tile_cells=16)
+  jaxpr = jax.make_jaxpr(lambda q, kv: rkv.rolling_attention(q, kv, impl="xla",
+                                                             schedule=schedule))(q, kv)
+  assert memory.host_compute_eqns(jaxpr) == []
+  report = memory.hlo_report(rkv.rolling.lower(q, kv, impl="xla", schedule=schedule)
+                             .compile().as_text())
+  assert report["host_params"] == (4 if kv_dtype else 2)  # k, v (+ scales) enter as host arrays
+  assert report["host_compute"] == 0
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("schedule,lookahead", [("scan", 1), ("scan", 2), ("unrolled", 1)])
+def test_gpu_lowering_moves_every_tile(schedule, lookahead, kv_dtype):
+  # A CPU compile has no placement ops (one memory); lowering for CUDA shows the GPU program:
+  # one device placement per streamed array (k, v, + 2 scales) per fetch site — the scan body
+  # plus its `lookahead` prologue fetches, or every tile of the unrolled loop.
+  case = Case("lowering", s=84, window_cells=20, tile=16, kv_dtype=kv_dtype)  # 4 whole tiles
+  q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=20, k_scale=k_scale, v_scale=v_scale,
+                                 tile_cells=16)
+  text = rkv.rolling.lower(q, kv, impl="xla", schedule=schedule, lookahead=lookahead,
+                           platforms=("cuda",)).as_text()
+  arrays = 4 if kv_dtype else 2
+  sites = lookahead + 1 if schedule == "scan" else kv.n_full_tiles
+  assert memory.placement_report(text) == {"device": arrays * sites}
+
+
+def test_host_compute_check_catches_a_cast_on_host():
+  host = memory.to_host(np.zeros((2, 4, 8), np.float32))
+  bad = lambda x: jax.device_put(x[0].astype(jnp.bfloat16), jax.memory.Space.Device)
+  good = lambda x: jax.device_put(x[0], jax.memory.Space.Device).astype(jnp.bfloat16)
+  assert memory.host_compute_eqns(jax.make_jaxpr(bad)(host)) == ["convert_element_type"]
+  assert memory.host_compute_eqns(jax.make_jaxpr(good)(host)) == []
+
+
+_GPU_LIKE_HLO = """HloModule m, entry_computation_layout={(bf16[4,1,64,8,128]{4,3,2,1,0:S(5)}, s32[])->bf16[1,64,8,128]{3,2,1,0}}
+
+ENTRY %main (p0: bf16[4,1,64,8,128], i: s32[]) -> bf16[1,64,8,128] {
+  %p0 = bf16[4,1,64,8,128]{4,3,2,1,0:S(5)} parameter(0)
+  %i = s32[] parameter(1)
+  %dynamic-slice-start.1 = ((bf16[4,1,64,8,128]{4,3,2,1,0:S(5)}, s32[], s32[], s32[], s32[], s32[]), bf16[1,1,64,8,128]{4,3,2,1,0}, u32[]) dynamic-slice-start(%p0, %i, %i, %i, %i, %i), dynamic_slice_sizes={1,1,64,8,128}
+  %dynamic-slice-done.1 = bf16[1,1,64,8,128]{4,3,2,1,0} dynamic-slice-done(%dynamic-slice-start.1)
+  %copy-start.2 = (bf16[4,1,64,8,128]{4,3,2,1,0:S(5)}, bf16[4,1,64,8,128]{4,3,2,1,0}, u32[]) copy-start(%p0)
+  %copy-done.2 = bf16[4,1,64,8,128]{4,3,2,1,0} copy-done(%copy-start.2)
+  %copy-start.3 = (bf16[4,1,64,8,128]{4,3,2,1,0}, bf16[4,1,64,8,128]{4,3,2,1,0:S(5)}, u32[]) copy-start(%copy-done.2)
+  %copy.4 = bf16[4,1,64,8,128]{4,3,2,1,0} copy(%p0)
+  %convert.5 = f32[4,1,64,8,128]{4,3,2,1,0:S(5)} convert(%p0), frontend_attributes={_xla_compute_type="host"}
+  ROOT %bitcast.6 = bf16[1,64,8,128]{3,2,1,0} bitcast(%dynamic-slice-done.1)
+}
+"""
+
+
+def test_hlo_report_counts_transfers():
+  rep = memory.hlo_report(_GPU_LIKE_HLO)
+  assert rep["h2d_async"] == 2  # the dynamic-slice-start and the host→device copy-start
+  assert rep["d2h_async"] == 1
+  assert rep["h2d_sync"] == 1
+  assert rep["host_params"] == 1
+  assert rep["host_compute"] == 1
+  assert rep["async_ops"] == {"dynamic-slice-start": 1, "copy-start": 2}
+
+
+def test_pallas_partials_match():
+  # One interpret-mode run of the Pallas backends through the streamed program (slow on CPU).
+  case = Case("pallas", s=60, window_cells=12, tile=16, t=1)
+  q, k, v, *_ = make(case, seed=4)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=12, tile_cells=16)
+  o, lse = rkv.rolling_attention(q, kv, impl="pallas", schedule="unrolled")
+  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), TOLERANCES["float32"]["o"])
+
+
+BAD = [
+    ("tactic", dict(tactic="cpu")),
+    ("schedule", dict(schedule="pipelined")),
+    ("lookahead", dict(lookahead=0)),
+    ("impl", dict(impl="cuda")),
+    ("window", dict(window=0)),
+    ("q_pos", dict(q_pos=jnp.zeros((1, 3), jnp.int32))),
+]
+
+
+@pytest.mark.parametrize("name,kw", BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments_name_themselves(name, kw):
+  kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
+  with pytest.raises(ValueError, match=name):
+    rkv.rolling_attention(jnp.ones((1, 1, 4, 16)), kv, **kw)
+
+
+def test_bad_tactic_lists_the_valid_ones():
+  kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
+  with pytest.raises(ValueError, match=r"\('auto', 'stream'\)"):
+    rkv.rolling_attention(jnp.ones((1, 1, 4, 16)), kv, tactic="hybrid")
+
+
+def test_query_shape_mismatch():
+  kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
+  with pytest.raises(ValueError, match="head dim"):
+    rkv.rolling_attention(jnp.ones((1, 1, 4, 32)), kv)
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    rkv.rolling_attention(jnp.ones((1, 1, 3, 16)), kv)
