@@ -8,6 +8,9 @@ the async transfer ops in each compiled program, and the append/flush cost. Writ
 Example (H200):
   .venv/bin/python -m experiments.rolling_bench --contexts=131072,524288,1048576 \
       --window_fractions=1.0,0.75,0.5,0.25 --schedules=scan,unrolled --tile_cells=16384,32768
+XLA flags worth a row each (set before JAX starts), e.g.
+  XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true .venv/bin/python -m ...
+Tails above 64 GiB need XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set before JAX starts.
 CPU smoke run:
   .venv/bin/python -m experiments.rolling_bench --contexts=256 --tile_cells=32 --repeats=2 \
       --out=/tmp/rolling_bench.json
@@ -17,7 +20,8 @@ from absl import app, flags
 
 from rkv.offload import bench
 
-_CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"], "Context lengths (cells).")
+_CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"],
+                              "Context lengths (cells).")
 _FRACTIONS = flags.DEFINE_list("window_fractions", ["1.0", "0.75", "0.5", "0.25"],
                                "Share of the context held in the device window.")
 _SCHEDULES = flags.DEFINE_list("schedules", ["scan", "unrolled"], "Stream schedules to compare.")

@@ -1,4 +1,4 @@
-"""``rkv.rolling_attention``: exact attention over a :class:`rkv.RollingKV` (window + staging + tail).
+"""``rkv.rolling_attention``: exact attention over a :class:`rkv.RollingKV` (window, staging, tail).
 
 The window and the staging tile are device partials computed by :func:`rkv.attention`; the host
 tail is streamed tile by tile inside the same jitted program (:mod:`rkv.offload.stream`); all

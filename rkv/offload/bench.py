@@ -20,9 +20,7 @@ one process so the ratios are comparable (DESIGN.md §5: ±15% run to run):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import json
 import os
 import statistics
 import time
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rkv
+from rkv import benchmarking
 from rkv import cache as cache_lib
 from rkv import rolling
 from rkv.attention import merge_partials
@@ -60,14 +59,9 @@ class BenchConfig:
 
 
 def _median_s(fn, warmup: int, repeats: int) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  # One call per sample (n_inner=1): a decode step is wall clock from dispatch to ready, launch
+  # overhead included, as a decode loop sees it.
+  return benchmarking.time_fn(fn, n_warmup=warmup, n_outer=max(repeats, 1), n_inner=1).median_s
 
 
 def _data(cfg: BenchConfig, s: int) -> dict:
@@ -215,11 +209,9 @@ def run(cfg: BenchConfig) -> dict:
     for sch in getattr(cfg, name):
       if sch not in rolling.SCHEDULES:
         raise ValueError(f"run: schedules must be drawn from {rolling.SCHEDULES}, got {sch!r}")
-  dev = memory.default_device()
   result = dict(
-      benchmark="rolling_bench", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      jax=jax.__version__, backend=jax.default_backend(), device=str(dev.device_kind),
-      config=dataclasses.asdict(cfg), host_pool_gib=memory.host_pool_bytes() / 2**30,
+      benchmark="rolling_bench", **benchmarking.environment(), config=dataclasses.asdict(cfg), host_pool_gib=memory.host_pool_bytes() / 2**30,
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
       steps=[], appends=[])
   rng = np.random.default_rng(cfg.seed + 1)
   # int8 caches serve bf16 queries.
@@ -242,9 +234,7 @@ def run(cfg: BenchConfig) -> dict:
 
 
 def write_json(result: dict, path: str) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
+  benchmarking.write_json(path, result)
 
 
 def format_table(result: dict) -> str:

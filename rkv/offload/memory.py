@@ -26,6 +26,10 @@ What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIG
   :func:`host_compute_eqns` finds such equations in a jaxpr so tests can forbid them.
 - ``jax.experimental.compute_on`` accepts ``"device_host"`` and ``"gpu_stream:N"``; neither is
   needed for streaming, noted here for the CPU-tail tactic of a later issue.
+- XLA GPU flags to try on the H200 (present in jaxlib 0.11.2, unverified here, set through
+  ``XLA_FLAGS`` before JAX starts): ``--xla_gpu_enable_pipelined_host_offloading`` (default off:
+  lets the loop pipeliner issue a while loop's host reload one iteration ahead — the scan
+  schedule's pattern) and ``--xla_gpu_enable_host_memory_offloading``.
 
 The pinned-host pool: XLA's GPU client caps pinned host memory at 64 GiB unless
 ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set *before JAX starts* (it is read once, when the GPU
@@ -218,10 +222,12 @@ def hlo_report(compiled_text: str) -> dict:
       ``async-start`` whose source is in host memory ``S(5)`` and result is not): the DMA the
       streamed schedules want; ``d2h_async``: the reverse (a flush); ``h2d_sync`` / ``d2h_sync``:
       plain ``copy`` ops across memory spaces (a transfer that blocks its stream);
-    ``host_params``: entry parameter arrays laid out in host memory (from the module header); ``host_compute``: instructions XLA
-      placed on the host CPU (``_xla_compute_type="host"``: the slow path of DESIGN.md §4);
+    ``host_params``: entry parameter arrays laid out in host memory (from the module header);
+    ``host_compute``: instructions XLA placed on the host CPU (``_xla_compute_type="host"``: the
+      slow path of DESIGN.md §4);
     ``async_ops``: opcode → count of every ``*-start`` op (for eyeballing the schedule).
-  On a CPU backend there is one memory, so every move folds away and only ``host_params`` shows.
+  On a CPU backend jax emits no placement ops, so only ``host_params`` shows; use
+  :func:`placement_report` on a CUDA lowering to check a GPU program's structure from CI.
   """
   shapes: dict[str, str] = {}
   rep = dict(h2d_async=0, d2h_async=0, h2d_sync=0, d2h_sync=0, host_params=0, host_compute=0)

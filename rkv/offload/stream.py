@@ -4,8 +4,8 @@ The tail arrives as ``k, v [N,B,tile,K,D]`` in ``pinned_host`` with the tile axi
 ``tail_k[i]`` is one contiguous DMA source (DESIGN.md §4). Each tile is fetched with
 ``jax.device_put(tail_k[i], jax.memory.Space.Device)`` — nothing but a slice (and the bitcast
 that drops the unit axis) sits between the host array and the move, so the GPU compiler emits an
-async ``dynamic-slice-start/-done`` instead of host compute — then attended to on the device by the
-caller's ``attend`` and merged exactly by log-sum-exp.
+async ``dynamic-slice-start/-done`` instead of host compute — then attended to on the device by
+the caller's ``attend`` and merged exactly by log-sum-exp.
 
 The streamed tail costs ``Bt / PCIe`` per step and the device partials ``Bw / HBM``; the model
 time is their max only if the transfers overlap the compute (DESIGN.md §6). A naive jit hid about
@@ -38,7 +38,7 @@ SCHEDULES = ("scan", "unrolled")
 
 
 class Tile(NamedTuple):
-  """One tile on the device: ``k, v [B,tile,K,D]``, ``pos [B,tile]``, scales ``[B,tile,K]`` or None."""
+  """A tile on the device: ``k, v [B,tile,K,D]``, ``pos [B,tile]``, scales ``[B,tile,K]`` or None."""
 
   k: jax.Array
   v: jax.Array

@@ -45,9 +45,10 @@ from rkv import validation
 MAX_QUERY_LEN = 16  # beyond this the packed tile (T*G rows) stops being "decode"; use flash attention.
 
 # H200 (DESIGN.md §5). Programs are small (one [R, D] accumulator, K/V tiles in shared memory), so a few
-# co-reside per SM; ~4 programs per SM hides the tail of the last wave and the pipeline prologue.
+# co-reside per SM. Measured on the H200 (benchmarks/results/kernel_bench_h200_sweep1.json, bf16 D=128):
+# about 2 programs per SM (N=33 at B=1, K=8) beat 4 per SM by 2-10% from 32K to 512K keys.
 _NUM_SMS = 132
-_TARGET_PROGRAMS = 4 * _NUM_SMS
+_TARGET_PROGRAMS = 2 * _NUM_SMS
 # Below ~512 keys per program the pipeline prologue/epilogue (first loads in flight, final store)
 # is no longer small next to the streaming time (512 keys x 256 B x 2 = 256 KiB per program at D=128 bf16).
 _MIN_KEYS_PER_SPLIT = 512
@@ -181,6 +182,9 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
 
   q = q_ref[...]
   qpos = qpos_ref[...]
+  # float32 caches: full-precision dots. Triton's default for a float32 dot is TF32, which misses
+  # the float32 tolerance by ~1e-3 (seen on the H200 in tests/attention_test.py).
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
   # Head dims that are not powers of two: load Dp columns, fetch only the first D.
   d_ok = None
   if d_pad != head_dim:
@@ -207,7 +211,7 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     kv_cols = pl.ds(0, d_pad)
     k = plgpu.load(k_ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
     s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)  # [R, block_k]
+                        precision=precision, preferred_element_type=jnp.float32)  # [R, block_k]
     if quantized:  # int8 K: dequantise the logits column-wise, one multiply per key, not per element.
       ks = plgpu.load(ks_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
       s = s * (ks * scale)[None, :]
@@ -234,7 +238,7 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
       vs = plgpu.load(vs_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
       p = p * jnp.where(col, vs, 0.0)[None, :]
     pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)  # [R, Dp]
+                         precision=precision, preferred_element_type=jnp.float32)  # [R, Dp]
     return acc * alpha[:, None] + pv, m_new, l_new
 
   init = (jnp.zeros((r_pad, d_pad), jnp.float32), jnp.full((r_pad,), -jnp.inf, jnp.float32),
