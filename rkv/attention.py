@@ -232,5 +232,19 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, soft
   if args.q_len <= MAX_DECODE_QUERIES:
     from rkv.pallas import decode_attention as kernel
     return kernel.decode_attention(q, k, v, block_sizes=block_sizes, **kw)
+  if block_sizes is None and jax.default_backend() == "gpu":
+    mgpu = _mgpu_kernel()
+    if mgpu is not None and mgpu.supports(q, k, v, **kw):
+      # Hopper fast path for the plain prefill case (rkv/pallas/flash_attention_mgpu.py).
+      return mgpu.flash_attention_mgpu(q, k, v, causal=causal, scale=args.scale)
   from rkv.pallas import flash_attention as kernel
   return kernel.flash_attention(q, k, v, block_sizes=block_sizes, **kw)
+
+
+def _mgpu_kernel():
+  """The Mosaic GPU kernel module, or None where its imports fail (a jaxlib without Mosaic GPU)."""
+  try:
+    from rkv.pallas import flash_attention_mgpu
+  except ImportError:
+    return None
+  return flash_attention_mgpu

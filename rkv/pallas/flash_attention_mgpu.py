@@ -142,7 +142,8 @@ def _named_barrier(op: str, barrier_id, num_threads: int) -> None:
 
 def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smems, lse_smems,
                   q_bars, k_bars, v_bars, k_free, v_free, *, causal: bool, scale: float,
-                  offset: int, group: int, n_q_tiles: int, n_kv: int, blocks: BlockSizes):
+                  offset: int, group: int, n_q_tiles: int, n_kv: int, block_q: int,
+                  block_kv: int, stages: int):
   """One CTA: ``2 * block_q`` query rows of one head, batch row ``b``.
 
   Refs: q [B,T,H,D], k/v [B,S,K,D], o [B,T,H,D], lse [B,H,T] (natural log) in GMEM;
@@ -150,7 +151,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
   mbarriers: q_bars [2], k_bars/v_bars [stages] (TMA landed), k_free/v_free [stages] (both
   consumers done with the slot).
   """
-  block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  tile_q = _CONSUMERS * block_q
   dtype = q_ref.dtype
   b = lax.axis_index("b")
   h = lax.axis_index("h")
@@ -158,14 +159,14 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
   # Causal Q tiles differ in cost by up to nK x: launching the heaviest (last) tiles first keeps
   # the final wave of CTAs short (longest-processing-time-first scheduling).
   qi = (n_q_tiles - 1 - lax.axis_index("q")) if causal else lax.axis_index("q")
-  tile_start = qi * blocks.tile_q
+  tile_start = qi * tile_q
 
   # Both consumers walk the same KV range so that the shared ring and the ping-pong barriers see
   # the same number of steps; the lower warpgroup may compute one block that is fully masked for
   # it (exact: its p is 0 there). The last row of the tile sees keys <= offset + last row.
   if causal:
     kv_hi = lax.min(jnp.int32(n_kv),
-                    lax.div(offset + tile_start + blocks.tile_q + block_kv - 1, block_kv))
+                    lax.div(offset + tile_start + tile_q + block_kv - 1, block_kv))
   else:
     kv_hi = n_kv  # static: a traced constant would be captured by run_state below
 
@@ -296,6 +297,15 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
       plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smems.at[slot], v_bars.at[slot])
 
+    # Observe the releases of the last tiles too, so every mbarrier phase the consumers complete
+    # is waited for (free on the GPU: the CTA lives until the consumers finish anyway; it keeps
+    # the protocol balanced for Mosaic GPU's interpreter, which checks that).
+    @pl.loop(lax.max(kv_hi - stages, 0), kv_hi)
+    def _drain(j):
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
 
 # --------------------------------------------------------------------------------------------
 # (3) Jitted wrapper and eligibility
@@ -313,14 +323,15 @@ def _smem_tile(shape, dtype):
 def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockSizes):
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
+  # A cache shorter than the ring needs fewer stages (one, for a single KV block).
   stages = min(blocks.num_stages, s // blocks.block_kv)
-  blocks = dataclasses.replace(blocks, num_stages=max(stages, 1))
   n_q_tiles = t // blocks.tile_q
   n_kv = s // blocks.block_kv
 
   kernel = functools.partial(_flash_kernel, causal=causal, scale=scale, offset=s - t,
-                             group=h // kh, n_q_tiles=n_q_tiles, n_kv=n_kv, blocks=blocks)
-  ring = (blocks.num_stages, blocks.block_kv, d)
+                             group=h // kh, n_q_tiles=n_q_tiles, n_kv=n_kv,
+                             block_q=blocks.block_q, block_kv=blocks.block_kv, stages=stages)
+  ring = (stages, blocks.block_kv, d)
   o, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((b, t, h, d), q.dtype),
@@ -331,10 +342,10 @@ def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockS
           _smem_tile(ring, v.dtype),                                # V ring
           plgpu.SMEM((_CONSUMERS, blocks.block_q), jnp.float32),    # LSE staging
           plgpu.Barrier(num_barriers=_CONSUMERS),                   # Q landed
-          plgpu.Barrier(num_barriers=blocks.num_stages),            # K landed
-          plgpu.Barrier(num_barriers=blocks.num_stages),            # V landed
-          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=blocks.num_stages),  # K free
-          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=blocks.num_stages),  # V free
+          plgpu.Barrier(num_barriers=stages),                       # K landed
+          plgpu.Barrier(num_barriers=stages),                       # V landed
+          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K free
+          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # V free
       ),
       # Grid axis 0 launches fastest: the G query heads of one kv head run side by side and
       # share its K/V tiles in L2.
@@ -342,7 +353,7 @@ def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockS
       grid_names=("h", "q", "b"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
   )(q, k, v)
   return o, jnp.transpose(lse, (0, 2, 1))
 
