@@ -11,7 +11,10 @@ from rkv.attention import attention, attention_reference, attention_xla, merge, 
 from rkv import cache, offload
 from rkv.cache import KVBlock, RollingKV
 from rkv.rolling import rolling_attention
+from rkv import residency
+from rkv.residency import AttentionShape, Plan, Profile, ResidencyConfig, plan
 
-__all__ = ["KVBlock", "RollingKV", "attention", "attention_reference", "attention_xla", "cache",
-           "merge", "merge_partials", "offload", "rolling_attention"]
+__all__ = ["AttentionShape", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
+           "attention", "attention_reference", "attention_xla", "cache", "merge", "merge_partials",
+           "offload", "plan", "residency", "rolling_attention"]
 __version__ = "0.1.0"

@@ -1,0 +1,456 @@
+"""Residency planner, performance model, selector, profiles and the probe (fast, CPU).
+
+Sizes are small (K=2, D=16, float32: a cell of one layer is 2*2*16*4 = 256 bytes of K/V plus a
+4-byte position) so the planner's arithmetic can be redone by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import types
+
+import pytest
+
+from rkv import residency as rz
+from rkv.residency import (MIB, WINDOW_ALIGN, AttentionShape, Profile, ResidencyConfig,
+                           modeled_times)
+
+K, D = 2, 16
+CELL = 2 * K * D * 4      # K+V bytes of one cell (float32)
+RES_CELL = CELL + 4       # plus its int32 position: 260 bytes a resident cell
+CTX = 4096
+
+# A synthetic machine: round numbers, no fixed costs, so times are bytes / rate.
+FLAT = Profile(pcie_gbps=50.0, d2h_gbps=50.0, hbm_gbps=1000.0, attn_overhead_us=0.0,
+               cpu_attn_gbps=25.0, host_read_gbps=None, copy_latency_us=0.0, source="test")
+
+
+def shape(windows=(None, None), num_heads=4, kv_dtype="float32"):
+  return AttentionShape(num_layers=len(windows), num_kv_heads=K, head_dim=D,
+                        layer_windows=tuple(windows), num_heads=num_heads, kv_dtype=kv_dtype)
+
+
+def cfg(budget_bytes=None, **kw):
+  kw.setdefault("profile", FLAT)
+  kw.setdefault("tile_cells", 512)
+  kw.setdefault("min_tile_cells", 128)
+  if budget_bytes is not None:
+    kw["vram_target_mib"] = budget_bytes / MIB
+  return ResidencyConfig(**kw)
+
+
+def check_invariants(p: rz.Plan):
+  assert p.device_bytes <= p.budget_bytes
+  for lp in p.layers:
+    assert lp.window_cells + lp.tail_cells == lp.capacity
+    if lp.tactic == "resident":
+      assert lp.host_bytes == 0 and lp.tail_cells == 0
+    else:
+      assert lp.window_cells % WINDOW_ALIGN == 0
+      assert lp.tile_cells % WINDOW_ALIGN == 0
+      assert lp.host_cells == lp.tail_cells // lp.tile_cells * lp.tile_cells
+      assert lp.host_cells > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizing
+# ----------------------------------------------------------------------------------------------
+def test_window_alignment_covers_every_kernel_block():
+  from rkv.pallas import flash_attention, flash_attention_mgpu
+  for d in (64, 128, 256):
+    assert WINDOW_ALIGN % flash_attention.BlockSizes.for_head_dim(d).block_k == 0
+  assert WINDOW_ALIGN % flash_attention_mgpu.BlockSizes().block_kv == 0
+  assert WINDOW_ALIGN % 128 == 0  # the decode kernel's largest block_k (BlockSizes.resolve)
+  assert rz.DEFAULT_TILE_CELLS % WINDOW_ALIGN == 0
+
+
+def test_budget_to_window_by_hand():
+  # Two global layers, 600,000 bytes each. Resident would need 4096 * 260 = 1,064,960 each.
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="window"))
+  check_invariants(p)
+  # About 600,000 // 260 = 2307 cells fit, so ~1789 must leave: tiles of 512 (4 of them) or
+  # 384 (5). With tile 512, device bytes = (W + 512) * 256 + 4 * (W + 512 + host cells):
+  #   W = 1664: host = (4096 - 1664) // 512 * 512 = 2048 -> 2176*256 + 4*(2176+2048) = 573,952
+  #   W = 1792: host = 2048                         -> 2304*256 + 4*(2304+2048) = 607,232 > budget
+  # With tile 384 the best is W = 1792, host = 6 * 384 = 2304 cells: more streamed bytes, so 512.
+  for lp in p.layers:
+    assert (lp.tactic, lp.window_cells, lp.tile_cells, lp.tail_cells, lp.host_cells) == (
+        "stream", 1664, 512, 2432, 2048)
+    assert lp.device_bytes == 2176 * 256 + 4 * (2176 + 2048) == 573_952
+    assert lp.host_bytes == 2048 * CELL == 524_288
+  assert rz._layout(rz._sizes(shape(), 1), CTX, 1664 + WINDOW_ALIGN, 512).device_bytes > 600_000
+  # Its modeled times are the model's on the same bytes: window + staged remainder on the device.
+  lp = p.layers[0]
+  bw, bt = (CTX - 2048) * CELL, 2048 * CELL
+  assert lp.times["stream"] == pytest.approx(max(bw / 1e12, bt / 50e9))
+  assert lp.times["resident"] == pytest.approx(CTX * CELL / 1e12)
+  # The CPU partial: q [1,1,4,16] float32 to the host, o + lse [1,1,4,17] float32 back.
+  copy = (4 * 16 * 4 + 4 * 17 * 4) / 50e9
+  assert lp.times["cpu"] == pytest.approx(max(bw / 1e12, bt / 25e9) + copy)
+
+
+def test_batch_scales_bytes():
+  one = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="window"))
+  two = rz.plan(shape(), CTX, 2, residency=cfg(2 * 2 * 600_000, mode="window"))
+  assert two.layers[0].window_cells == one.layers[0].window_cells
+  assert two.device_bytes == 2 * one.device_bytes and two.host_bytes == 2 * one.host_bytes
+
+
+def test_fits_all_resident():
+  need = 2 * CTX * RES_CELL
+  for mode in rz.MODES:
+    p = rz.plan(shape(), CTX, 1, residency=cfg(need, mode=mode))
+    assert p.fits and p.host_bytes == 0 and p.device_bytes == need
+    assert p.tactics() == ("resident", "resident")
+    for lp in p.layers:
+      assert lp.window_cells == CTX and lp.tile_cells is None
+      assert lp.times["resident"] == pytest.approx(CTX * CELL / 1e12)
+      assert all(lp.times[t] is None for t in rz.TACTICS if t != "resident")
+
+
+def test_int8_cells_carry_scales():
+  p = rz.plan(shape(kv_dtype="int8"), CTX, 1, residency=cfg(10 * MIB))
+  assert p.kv_dtype == "int8"
+  assert p.layers[0].device_bytes == CTX * (2 * K * D * 1 + 2 * K * 4 + 4)
+  bf16 = rz.plan(shape(), CTX, 1, residency=cfg(10 * MIB, kv_dtype="bfloat16"))
+  assert bf16.layers[0].device_bytes == CTX * (2 * K * D * 2 + 4)
+
+
+def test_iswa_local_layers_stay_resident_as_rings():
+  windows = (4096, None) * 3
+  ctx = 32768
+  ring = 4096 * RES_CELL
+  full = ctx * RES_CELL
+  budget = 3 * ring + 3 * full // 3  # the rings plus a third of the global layers
+  p = rz.plan(shape(windows), ctx, 1, residency=cfg(budget))
+  check_invariants(p)
+  for lp in p.layers:
+    if lp.layer % 2 == 0:
+      assert (lp.kind, lp.tactic, lp.capacity, lp.window_cells, lp.host_bytes) == (
+          "local", "resident", 4096, 4096, 0)
+      assert lp.device_bytes == ring and lp.sliding_window == 4096
+    else:
+      assert lp.kind == "global" and lp.tactic != "resident" and lp.host_bytes > 0
+      assert lp.capacity == ctx
+  # A window longer than the context is a ring of the context.
+  p = rz.plan(shape((8192, None)), 2048, 1, residency=cfg(10 * MIB))
+  assert p.layers[0].capacity == 2048 and p.fits
+
+
+def test_head_mode_keeps_whole_heads():
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 700_000, mode="head"))
+  check_invariants(p)
+  for lp in p.layers:
+    # One of K=2 heads fully resident is 4096 * (128 + 4) = 540,672 bytes; the other head rolls.
+    assert lp.tactic == "head" and lp.resident_heads == 1
+    assert lp.device_bytes <= 700_000
+    assert lp.host_bytes == lp.host_cells * CELL // K
+
+
+def test_impossible_budget_names_vram_target_mib():
+  with pytest.raises(ValueError, match=r"vram_target_mib=0\.01.*bytes.*Raise vram_target_mib "
+                                       r"to at least (\d+) MiB") as e:
+    rz.plan(shape((4096, None, None)), 65536, 1, residency=cfg(vram_target_mib=0.01))
+  need_mib = int(e.value.args[0].split("at least ")[1].split(" MiB")[0])
+  p = rz.plan(shape((4096, None, None)), 65536, 1, residency=cfg(vram_target_mib=need_mib))
+  check_invariants(p)
+  # The rings alone not fitting is the same error.
+  with pytest.raises(ValueError, match="vram_target_mib"):
+    rz.plan(shape((4096,) * 2), 65536, 1, residency=cfg(4096 * RES_CELL))
+
+
+def test_resident_mode_that_does_not_fit():
+  with pytest.raises(ValueError, match=r"mode='resident' needs 2129920 bytes.*vram_target_mib"):
+    rz.plan(shape(), CTX, 1, residency=cfg(1_000_000, mode="resident"))
+
+
+def test_free_memory_budget():
+  stats = dict(bytes_limit=100 * MIB, bytes_in_use=30 * MIB)
+  c = ResidencyConfig(vram_target_mib=0, reserve_mib=20, profile=FLAT)
+  assert rz.kv_budget_bytes(c, memory_stats=stats) == 50 * MIB
+  # Default reserve: 2048 MiB plus two of the largest tiles.
+  big = dict(bytes_limit=10_000 * MIB, bytes_in_use=0)
+  c = ResidencyConfig(profile=FLAT)
+  assert rz.kv_budget_bytes(c, memory_stats=big, batch=1, cell_bytes=CELL) == (
+      10_000 * MIB - 2048 * MIB - 2 * c.tile_cells * CELL)
+  p = rz.plan(shape(), CTX, 1, residency=ResidencyConfig(reserve_mib=20, profile=FLAT),
+              memory_stats=stats)
+  assert p.fits and p.budget_bytes == 50 * MIB
+  with pytest.raises(ValueError, match="vram_target_mib=0"):
+    rz.kv_budget_bytes(ResidencyConfig(reserve_mib=200), memory_stats=stats)
+  with pytest.raises(ValueError, match="vram_target_mib"):
+    rz.kv_budget_bytes(ResidencyConfig(), memory_stats={})
+
+
+def test_host_pool_limit(monkeypatch):
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.0001")  # ~107 KB
+  with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+    rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000))
+
+
+# ----------------------------------------------------------------------------------------------
+# The performance model, by hand
+# ----------------------------------------------------------------------------------------------
+def test_model_formulas_by_hand():
+  bw, bt = 1e9, 2e9
+  t = modeled_times(bw, bt, FLAT, head_bytes=(1.5e9, 1.5e9))
+  assert t.resident == pytest.approx(3e9 / 1e12)               # (Bw + Bt) / HBM
+  assert t.stream == pytest.approx(max(1e-3, 2e9 / 50e9))       # 40 ms
+  assert t.cpu == pytest.approx(max(1e-3, 2e9 / 25e9))          # 80 ms
+  assert t.hybrid == pytest.approx(2e9 / 75e9)                  # Bt / (PCIe + CPU)
+  assert t.hybrid_fraction == pytest.approx(50 / 75)
+  assert t.head == pytest.approx(max(1.5e-3, 1.5e9 / 50e9))     # 30 ms
+  # Overheads: a fixed cost per device call, a partial copy added to cpu / hybrid.
+  p = dataclasses.replace(FLAT, attn_overhead_us=10.0)
+  t = modeled_times(bw, bt, p, partial_copy_s=1e-3)
+  assert t.stream == pytest.approx(max(10e-6 + 1e-3, 40e-3))
+  assert t.cpu == pytest.approx(80e-3 + 1e-3)
+  assert t.hybrid == pytest.approx(2e9 / 75e9 + 1e-3)
+  # overlap 0: the parts add up.
+  t = modeled_times(bw, bt, dataclasses.replace(FLAT, overlap=0.0))
+  assert t.stream == pytest.approx(1e-3 + 40e-3)
+  # Host read bandwidth caps the CPU and the CPU + DMA sum.
+  p = dataclasses.replace(FLAT, host_read_gbps=20.0)
+  t = modeled_times(bw, bt, p)
+  assert t.cpu == pytest.approx(2e9 / 20e9)
+  assert t.hybrid == pytest.approx(2e9 / 20e9)
+  # Tile granularity: 4 tiles, f*n = 2.67 -> 3 streamed (30 ms) beats 2 (40 ms on the CPU side).
+  t = modeled_times(bw, bt, FLAT, tile_bytes=0.5e9)
+  assert t.hybrid == pytest.approx(max(1.5e9 / 50e9, 0.5e9 / 25e9)) and t.hybrid_fraction == 0.75
+  # No CPU figure: cpu and hybrid are not modeled.
+  t = modeled_times(bw, bt, dataclasses.replace(FLAT, cpu_attn_gbps=None))
+  assert t.cpu is None and t.hybrid is None and t.hybrid_fraction is None
+
+
+def test_partial_copy_by_hand():
+  p = dataclasses.replace(FLAT, copy_latency_us=5.0)
+  got = rz.partial_copy_time(p, batch=2, num_heads=8, head_dim=64, q_itemsize=2)
+  q_bytes, out_bytes = 2 * 8 * 64 * 2, 2 * 8 * 65 * 4
+  assert got == pytest.approx(10e-6 + q_bytes / 50e9 + out_bytes / 50e9)
+
+
+@pytest.mark.parametrize("pcie, cpu_gbps, want", [
+    (0.5, 50.0, "cpu"),      # slow link: the CPU attends faster than the tail crosses
+    (5000.0, 1.0, "stream"),  # fast link: the tail streams under the window compute
+    (50.0, 50.0, "hybrid"),  # in between: split the tiles
+])
+def test_selector_on_synthetic_profiles(pcie, cpu_gbps, want, caplog):
+  prof = dataclasses.replace(FLAT, pcie_gbps=pcie, cpu_attn_gbps=cpu_gbps)
+  with caplog.at_level(logging.INFO, logger="rkv.residency"):
+    p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof))
+  check_invariants(p)
+  assert p.tactics() == (want, want)
+  lp = p.layers[0]
+  assert lp.step_time_s == min(lp.times[t] for t in rz.OFFLOAD_TACTICS if lp.times[t] is not None)
+  if want == "hybrid":
+    assert 0 < lp.hybrid_fraction < 1
+  # The decision is logged with the figures it used.
+  text = caplog.text
+  assert f"PCIe {pcie:.4g} GB/s" in text and f"CPU attn {cpu_gbps:.4g} GB/s" in text
+  assert f"layer 0 -> {want}" in text and f"layer 1 -> {want}" in text
+
+
+def test_select_ties_prefer_simple_tactics():
+  assert rz.select(dict(stream=1.0, head=1.0, cpu=2.0, hybrid=1.0)) == "stream"
+  assert rz.select(dict(stream=3.0, head=None, cpu=1.0, hybrid=1.0)) == "cpu"
+  with pytest.raises(ValueError, match="no tactic"):
+    rz.select(dict(stream=None, head=None, cpu=None, hybrid=None))
+
+
+def test_forced_modes():
+  for mode, tactic in rz.MODE_TACTIC.items():
+    p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode=mode))
+    assert p.tactics() == (tactic, tactic)
+    check_invariants(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+# ----------------------------------------------------------------------------------------------
+def test_table_has_every_layer_and_totals():
+  windows = (1024, None) * 4
+  p = rz.plan(shape(windows), 16384, 1, residency=cfg(4 * 1024 * RES_CELL + 4 * 1_500_000))
+  text = str(p)
+  assert text == p.table()
+  lines = text.splitlines()
+  header = next(i for i, l in enumerate(lines) if l.split()[:3] == ["layer", "kind", "tactic"])
+  rows = lines[header + 1:header + 1 + len(windows)]
+  assert [int(r.split()[0]) for r in rows] == list(range(len(windows)))
+  for lp, row in zip(p.layers, rows):
+    assert lp.tactic in row and str(lp.window_cells) in row
+    assert f"{lp.device_bytes / MIB:.1f}" in row
+    assert f"{lp.step_time_s * 1e6:.1f}*" in row  # the chosen tactic's time is starred
+  assert lines[header + 1 + len(windows)].split()[0] == "total"
+  assert f"device {p.device_bytes / MIB:.1f} MiB" in text
+  assert f"host {p.host_bytes / MIB:.1f} MiB" in text
+  assert f"modeled step {p.step_time_s * 1e6:.1f} us" in text
+  for t in rz.TACTICS:
+    assert f"{t}_us" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# Profiles
+# ----------------------------------------------------------------------------------------------
+def test_profile_roundtrip_and_overrides(tmp_path):
+  path = str(tmp_path / "sub" / "profile.json")
+  prof = dataclasses.replace(FLAT, details=dict(note="x", rows=[1.5, 2]))
+  prof.save(path)
+  loaded = Profile.load(path)
+  assert loaded == prof and loaded.details == prof.details and loaded.source == "test"
+  assert json.load(open(path))["format"] == "rkv.Profile"
+  hash(ResidencyConfig(profile=loaded))  # configs stay hashable (static jit arguments)
+  c = ResidencyConfig(profile_path=path, pcie_gbps=7.0, cpu_attn_gbps=3.0, overlap=0.5)
+  got = c.resolve_profile()
+  assert (got.pcie_gbps, got.cpu_attn_gbps, got.overlap) == (7.0, 3.0, 0.5)
+  assert got.hbm_gbps == prof.hbm_gbps and got.d2h_gbps == prof.d2h_gbps
+  # A plan uses the overridden figures.
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=None, profile_path=path,
+                                             pcie_gbps=7.0))
+  assert p.profile.pcie_gbps == 7.0
+
+
+def test_default_profile(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert rz.default_profile_path() == str(tmp_path / ".cache" / "rkv" / "profile.json")
+  assert ResidencyConfig().resolve_profile() == rz.H200_DEFAULT
+  FLAT.save(rz.default_profile_path())
+  assert ResidencyConfig().resolve_profile() == FLAT
+  assert rz.H200_DEFAULT.pcie_gbps == 48.5 and rz.H200_DEFAULT.cpu_attn_gbps == 1.8
+
+
+def test_bad_profiles(tmp_path):
+  with pytest.raises(ValueError, match="profile_path"):
+    Profile.load(str(tmp_path / "missing.json"))
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="not valid JSON"):
+    Profile.load(str(bad))
+  bad.write_text(json.dumps(dict(format="other")))
+  with pytest.raises(ValueError, match="rkv.Profile"):
+    Profile.load(str(bad))
+  with pytest.raises(ValueError, match="pcie_gbps"):
+    Profile(pcie_gbps=0, d2h_gbps=1, hbm_gbps=1)
+  with pytest.raises(ValueError, match="overlap"):
+    Profile(pcie_gbps=1, d2h_gbps=1, hbm_gbps=1, overlap=2)
+  with pytest.raises(ValueError, match="unknown figures"):
+    FLAT.replace(pcie=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, name", [
+    (dict(mode="stream-ish"), "mode"),
+    (dict(vram_target_mib=-1), "vram_target_mib"),
+    (dict(vram_target_mib="1"), "vram_target_mib"),
+    (dict(reserve_mib=-5), "reserve_mib"),
+    (dict(tile_cells=1000), "tile_cells"),
+    (dict(tile_cells=256, min_tile_cells=512), "min_tile_cells"),
+    (dict(min_window_cells=100), "min_window_cells"),
+    (dict(kv_dtype="int4"), "kv_dtype"),
+    (dict(pcie_gbps=-1.0), "pcie_gbps"),
+    (dict(overlap=1.5), "overlap"),
+    (dict(profile="h200"), "profile"),
+])
+def test_bad_config(kw, name):
+  with pytest.raises(ValueError, match=name):
+    ResidencyConfig(**kw)
+
+
+def test_bad_plan_arguments():
+  c = cfg(10 * MIB)
+  with pytest.raises(ValueError, match="context_len"):
+    rz.plan(shape(), 0, 1, residency=c)
+  with pytest.raises(ValueError, match="batch"):
+    rz.plan(shape(), CTX, -1, residency=c)
+  with pytest.raises(ValueError, match="residency"):
+    rz.plan(shape(), CTX, 1, residency=dict(mode="auto"))
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    rz.plan(types.SimpleNamespace(num_layers=2, head_dim=16), CTX, 1, residency=c)
+  with pytest.raises(ValueError, match="layer_windows"):
+    AttentionShape(num_layers=2, num_kv_heads=2, head_dim=16, layer_windows=(None,))
+  with pytest.raises(ValueError, match=r"layer_windows\[1\]"):
+    AttentionShape(num_layers=2, num_kv_heads=2, head_dim=16, layer_windows=(None, 0))
+  with pytest.raises(ValueError, match="num_heads"):
+    AttentionShape(num_layers=1, num_kv_heads=2, head_dim=16, num_heads=3)
+
+
+def test_any_config_object_or_mapping():
+  ns = types.SimpleNamespace(num_layers=2, num_kv_heads=K, head_dim=D, layer_windows=(64, None),
+                             dtype="float32", num_heads=4, vocab_size=10)
+  a = rz.plan(ns, CTX, 1, residency=cfg(10 * MIB))
+  b = rz.plan(dict(num_layers=2, num_kv_heads=K, head_dim=D, layer_windows=[64, None],
+                   kv_dtype="float32"), CTX, 1, residency=cfg(10 * MIB))
+  assert a.device_bytes == b.device_bytes == (64 + CTX) * RES_CELL
+  # No layer_windows: all global (Llama-like).
+  llama = types.SimpleNamespace(num_layers=3, num_kv_heads=K, head_dim=D, dtype="float32")
+  assert rz.plan(llama, CTX, 1, residency=cfg(10 * MIB)).device_bytes == 3 * CTX * RES_CELL
+
+
+# ----------------------------------------------------------------------------------------------
+# Probe
+# ----------------------------------------------------------------------------------------------
+def tiny_probe(**kw):
+  from rkv import probe
+  kw = dict(dict(transfer_mib=(0.25, 1), latency_kib=4, attn_kv_lens=(256, 1024), num_heads=4,
+                 num_kv_heads=2, head_dim=16, dtype="float32", cpu=False, warmup=1,
+                 repeats=2), **kw)
+  return probe.ProbeConfig(**kw)
+
+
+def test_probe_smoke(tmp_path):
+  from rkv import probe
+  prof = probe.run_probe(tiny_probe(overrides=dict(cpu_attn_gbps=2.5, host_read_gbps=None)))
+  for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps"):
+    assert getattr(prof, name) > 0
+  assert prof.attn_overhead_us >= 0 and prof.copy_latency_us > 0
+  assert prof.cpu_attn_gbps == 2.5 and prof.details["overridden"]["cpu_attn_gbps"]["used"] == 2.5
+  assert prof.host_read_gbps is None and "skipped" in prof.details["host_read_gbps"]
+  assert [r["bytes"] for r in prof.details["h2d"]] == [MIB // 4, MIB]
+  path = prof.save(str(tmp_path / "profile.json"))
+  assert Profile.load(path) == prof and Profile.load(path).details == json.loads(
+      json.dumps(prof.details, default=str))
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=None, profile_path=path))
+  assert p.profile == prof and len(p.layers) == 2
+
+
+def test_probe_cpu_module_adapter(monkeypatch):
+  from rkv import probe
+  monkeypatch.setattr(probe, "CPU_ATTENTION_MODULE", "rkv.offload.no_such_module_for_test")
+  out = probe.measure_cpu(tiny_probe(cpu=True))
+  assert out["cpu_attn_gbps"] is None and "not available" in out["details"]["cpu_attn_gbps"]
+  # A module with the documented functions: bytes/s back, only the named arguments passed.
+  seen = {}
+  fake = types.ModuleType("fake_cpu_attention")
+
+  def measure_cpu_attention(kv_len, *, num_kv_heads, head_dim, group, tile_cells, repeats):
+    seen.update(kv_len=kv_len, group=group, tile_cells=tile_cells)
+    return 3.0e9
+
+  def measure_host_read_bandwidth(nbytes, *, repeats):
+    seen.update(nbytes=nbytes)
+    return dict(bytes_per_s=12.0e9)
+
+  fake.measure_cpu_attention = measure_cpu_attention
+  fake.measure_host_read_bandwidth = measure_host_read_bandwidth
+  monkeypatch.setitem(sys.modules, "fake_cpu_attention", fake)
+  monkeypatch.setattr(probe, "CPU_ATTENTION_MODULE", "fake_cpu_attention")
+  out = probe.measure_cpu(tiny_probe(cpu=True, cpu_kv_len=1000, host_read_mib=1))
+  assert out["cpu_attn_gbps"] == pytest.approx(3.0) and out["host_read_gbps"] == pytest.approx(12.0)
+  assert seen == dict(kv_len=1000, group=2, tile_cells=1000, nbytes=MIB)
+  # A failing measurement records its reason and keeps the other figure.
+  def boom(**kw):
+    raise RuntimeError("no compiler")
+  fake.measure_cpu_attention = boom
+  out = probe.measure_cpu(tiny_probe(cpu=True))
+  assert out["cpu_attn_gbps"] is None and "no compiler" in out["details"]["cpu_attn_gbps"]
+  assert out["host_read_gbps"] == pytest.approx(12.0)
+
+
+def test_fit_line():
+  from rkv import probe
+  assert probe.fit_line([1.0, 3.0], [12.0, 16.0]) == pytest.approx((10.0, 2.0))
+  assert probe.fit_line([4.0], [2.0]) == pytest.approx((0.0, 0.5))
