@@ -69,7 +69,12 @@ def _contenders(shape: Shape, on_gpu: bool, sweep: list[dict[str, Any]],
   kernel = decode_kernel if shape.kind == "decode" else flash_kernel
   call = kernel.decode_attention if shape.kind == "decode" else kernel.flash_attention
   fns: dict[str, Callable] = {}
-  fns["rkv_pallas"] = jax.jit(lambda q, k, v: call(q, k, v, causal=causal)[0])
+  # The public path: rkv.attention picks the decode kernel (T <= 16) or, for prefill, the Hopper
+  # (Mosaic GPU) kernel where it applies and the generic flash kernel elsewhere.
+  fns["rkv_pallas"] = jax.jit(
+      lambda q, k, v: rkv.attention(q, k, v, causal=causal, impl="pallas")[0])
+  if shape.kind == "prefill":
+    fns["rkv_pallas_generic"] = jax.jit(lambda q, k, v: call(q, k, v, causal=causal)[0])
   for i, cfg in enumerate(sweep):
     bs = dataclasses.replace(kernel.BlockSizes(), **cfg)
     fns[f"rkv_pallas[{i}]"] = jax.jit(
