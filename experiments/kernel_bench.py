@@ -28,6 +28,11 @@ def main(argv):
                             sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value),
                             sweep_prefill=kernel_bench.parse_sweep(_SWEEP_PREFILL.value))
   print(benchmarking.format_table(result["rows"], kernel_bench.COLUMNS))
+  failed = kernel_bench.self_check(result)
+  if failed:
+    raise SystemExit("self-check FAILED (max |diff| vs the float32 reference above tolerance): "
+                     + "; ".join(failed))
+  print(f"self-check passed: every impl within {kernel_bench.SELF_CHECK_ATOL} of the reference")
   if _OUT.value:
     benchmarking.write_json(_OUT.value, result)
     print(f"wrote {_OUT.value}")

@@ -167,3 +167,19 @@ def parse_sweep(text: str) -> list[dict[str, Any]]:
   if not isinstance(cfgs, list) or not all(isinstance(c, dict) for c in cfgs):
     raise ValueError(f"sweep must be a JSON list of objects, got {text!r}")
   return cfgs
+
+
+# float32 inputs on the CPU: every backend must match the float32 reference this closely (the
+# test suite's float32 tolerance is 2e-5 against float64; bf16 GPU rows are compared to cuDNN and
+# only reported).
+SELF_CHECK_ATOL = 1e-4
+
+
+def self_check(result: dict[str, Any]) -> list[str]:
+  """Rows whose output strays from the float32 reference (CPU quick mode); empty when all agree."""
+  bad = []
+  for row in result["rows"]:
+    diff = row.get("max_abs_diff_vs_rkv_reference")
+    if diff is not None and not diff <= SELF_CHECK_ATOL:
+      bad.append(f"{row['shape']} {row['impl']}: {diff:.3g}")
+  return bad
