@@ -1,0 +1,268 @@
+"""Local Hugging Face checkpoints: ``load_hf(path)`` and ``load_tokenizer(path)``.
+
+A checkpoint folder holds ``config.json`` and the weights as ``model.safetensors``, or shards
+listed by ``model.safetensors.index.json``. Nothing is downloaded. safetensors files are read by
+the small reader below (an 8-byte header length, a JSON header, raw little-endian tensors): the
+tensors are ``numpy.memmap`` views, bfloat16 via ``ml_dtypes`` (a JAX dependency), so a checkpoint
+is never held twice in host memory and no extra package is needed.
+
+HF weight names -> model parameters (``P`` = ``model.``, or for Gemma-3 multimodal checkpoints
+``language_model.model.`` / ``model.language_model.``; HF linear weights are ``[out, in]``, NNX
+kernels ``[in, out]``, so projections are transposed):
+
+| HF name                                         | parameter                                  |
+| ----------------------------------------------- | ------------------------------------------ |
+| ``P embed_tokens.weight``                       | ``embed.embedding``                        |
+| ``P layers.i.self_attn.{q,k,v,o}_proj.weight``  | ``layers.i.attn.{q,k,v,o}_proj.kernel`` (T) |
+| ``P layers.i.self_attn.{q,k,v,o}_proj.bias``    | ``layers.i.attn.{q,k,v,o}_proj.bias``      |
+| ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Gemma-3) |
+| ``P layers.i.mlp.{gate,up,down}_proj.weight``   | ``layers.i.mlp.{gate,up,down}_proj.kernel`` (T) |
+| ``P layers.i.input_layernorm.weight``           | ``layers.i.attn_norm.scale``               |
+| ``P layers.i.post_attention_layernorm.weight``  | Llama: ``layers.i.mlp_norm.scale``; Gemma: ``layers.i.attn_post_norm.scale`` |
+| ``P layers.i.pre_feedforward_layernorm.weight`` | ``layers.i.mlp_norm.scale`` (Gemma)        |
+| ``P layers.i.post_feedforward_layernorm.weight``| ``layers.i.mlp_post_norm.scale`` (Gemma)   |
+| ``P norm.weight``                               | ``final_norm.scale``                       |
+| ``lm_head.weight``                              | ``lm_head.kernel`` (T; absent when tied)   |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from rkv.models.config import ModelConfig
+from rkv.models.transformer import Transformer
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+_MAX_HEADER = 100 << 20
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
+_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors
+# ----------------------------------------------------------------------------------------------
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """``{name: array}`` of one safetensors file, each a read-only memmap view (no copy)."""
+  where = f"read_safetensors({path})"
+  if not os.path.isfile(path):
+    raise ValueError(f"{where}: no such file")
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) < 8:
+      raise ValueError(f"{where}: file too short for a safetensors header")
+    n = int.from_bytes(raw, "little")
+    if n > min(size - 8, _MAX_HEADER):
+      raise ValueError(f"{where}: header length {n} does not fit the {size}-byte file")
+    try:
+      header = json.loads(f.read(n))
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: header is not JSON ({e})") from None
+  header.pop("__metadata__", None)
+  base = 8 + n
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size - base,)) \
+      if size > base else np.zeros((0,), np.uint8)
+  out = {}
+  for name, info in header.items():
+    dt = _ST_DTYPES.get(info.get("dtype"))
+    if dt is None:
+      raise ValueError(f"{where}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+    shape = tuple(int(s) for s in info["shape"])
+    lo, hi = (int(x) for x in info["data_offsets"])
+    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+    if not 0 <= lo <= hi <= data.shape[0] or hi - lo != want:
+      raise ValueError(f"{where}: tensor {name!r} offsets [{lo}, {hi}) do not hold "
+                       f"{shape} {info['dtype']} in a {data.shape[0]}-byte data section")
+    out[name] = data[lo:hi].view(dt).reshape(shape)
+  return out
+
+
+def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+  """Writes ``tensors`` as one safetensors file (the layout :func:`read_safetensors` reads)."""
+  header, offset, arrays = {}, 0, []
+  for name in sorted(tensors):
+    a = np.ascontiguousarray(np.asarray(tensors[name]))
+    if a.dtype not in _ST_NAMES:
+      raise ValueError(f"save_safetensors: tensor {name!r} has unsupported dtype {a.dtype}")
+    header[name] = dict(dtype=_ST_NAMES[a.dtype], shape=list(a.shape),
+                        data_offsets=[offset, offset + a.nbytes])
+    offset += a.nbytes
+    arrays.append(a)
+  if metadata:
+    header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as safetensors writes it
+  with open(path, "wb") as f:
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for a in arrays:
+      f.write(a.tobytes())
+
+
+def checkpoint_files(path: str) -> list[str]:
+  """The safetensors files of a checkpoint folder (all shards of the index, if there is one)."""
+  where = f"load_hf({path})"
+  index = os.path.join(path, INDEX_FILE)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map") or {}
+    files = sorted(set(weight_map.values()))
+    if not files:
+      raise ValueError(f"{where}: {INDEX_FILE} has an empty weight_map")
+    missing = [x for x in files if not os.path.isfile(os.path.join(path, x))]
+    if missing:
+      raise ValueError(f"{where}: shards listed in {INDEX_FILE} are missing: {missing}")
+    return [os.path.join(path, x) for x in files]
+  if os.path.isfile(os.path.join(path, SINGLE_FILE)):
+    return [os.path.join(path, SINGLE_FILE)]
+  found = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
+  if not found:
+    other = [x for x in os.listdir(path) if x.endswith((".bin", ".pt", ".pth", ".gguf"))]
+    hint = f" (found {other}: only safetensors weights are supported)" if other else ""
+    raise ValueError(f"{where}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} (or any "
+                     f"*.safetensors){hint}")
+  return [os.path.join(path, x) for x in found]
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and weights
+# ----------------------------------------------------------------------------------------------
+def _check_dir(path: str, where: str) -> str:
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise ValueError(f"{where}: checkpoint folder {path!r} does not exist (no downloads: pass a "
+                     f"local folder holding {CONFIG_FILE} and *.safetensors)")
+  return path
+
+
+def load_config(path: str, *, dtype=None) -> ModelConfig:
+  """The :class:`ModelConfig` of a local checkpoint folder's ``config.json``."""
+  path = _check_dir(path, "load_config")
+  cfg_path = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(cfg_path):
+    raise ValueError(f"load_hf({path}): missing {CONFIG_FILE}")
+  with open(cfg_path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"load_hf({path}): {CONFIG_FILE} is not valid JSON ({e})") from None
+  return ModelConfig.from_hf(d, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
+
+
+def hf_weight_map(config: ModelConfig, prefix: str = "model.") -> list[tuple[str, tuple, bool]]:
+  """``[(hf_name, parameter path, transpose)]`` for every parameter of the model (the lm_head
+  entry names ``lm_head.weight``)."""
+  gemma = config.sandwich_norms
+  out = [(f"{prefix}embed_tokens.weight", ("embed", "embedding"), False),
+         (f"{prefix}norm.weight", ("final_norm", "scale"), False)]
+  if not config.tie_embeddings:
+    out.append(("lm_head.weight", ("lm_head", "kernel"), True))
+  for i in range(config.num_layers):
+    hf, me = f"{prefix}layers.{i}.", ("layers", i)
+    for p, bias in (("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
+                    ("o", config.o_bias)):
+      out.append((f"{hf}self_attn.{p}_proj.weight", me + ("attn", f"{p}_proj", "kernel"), True))
+      if bias:
+        out.append((f"{hf}self_attn.{p}_proj.bias", me + ("attn", f"{p}_proj", "bias"), False))
+    if config.qk_norm:
+      for p in ("q", "k"):
+        out.append((f"{hf}self_attn.{p}_norm.weight", me + ("attn", f"{p}_norm", "scale"), False))
+    for p in ("gate", "up", "down"):
+      out.append((f"{hf}mlp.{p}_proj.weight", me + ("mlp", f"{p}_proj", "kernel"), True))
+      if config.mlp_bias:
+        out.append((f"{hf}mlp.{p}_proj.bias", me + ("mlp", f"{p}_proj", "bias"), False))
+    out.append((f"{hf}input_layernorm.weight", me + ("attn_norm", "scale"), False))
+    if gemma:
+      out += [(f"{hf}post_attention_layernorm.weight", me + ("attn_post_norm", "scale"), False),
+              (f"{hf}pre_feedforward_layernorm.weight", me + ("mlp_norm", "scale"), False),
+              (f"{hf}post_feedforward_layernorm.weight", me + ("mlp_post_norm", "scale"), False)]
+    else:
+      out.append((f"{hf}post_attention_layernorm.weight", me + ("mlp_norm", "scale"), False))
+  return out
+
+
+def _set(tree: dict, path: tuple, value):
+  for p in path[:-1]:
+    tree = tree[p]
+  if path[-1] not in tree:
+    raise KeyError(path)
+  tree[path[-1]] = value
+
+
+def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
+  """A :class:`~rkv.models.Transformer` with the weights of a local HF checkpoint folder.
+
+  Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM,
+  Gemma3ForCausalLM and the text part of Gemma3ForConditionalGeneration. Parameters are cast to
+  ``dtype``. A missing folder/file, an unsupported architecture or a missing or misshapen tensor
+  raises ``ValueError`` naming it.
+  """
+  path = _check_dir(path, "load_hf")
+  config = load_config(path, dtype=dtype)
+  where = f"load_hf({path})"
+  tensors: dict[str, np.ndarray] = {}
+  for file in checkpoint_files(path):
+    tensors.update(read_safetensors(file))
+
+  prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors), None)
+  if prefix is None:
+    raise ValueError(f"{where}: missing tensor 'model.embed_tokens.weight' (no embedding table "
+                     f"under any of the prefixes {_TEXT_PREFIXES[:-1]})")
+  mapping = hf_weight_map(config, prefix)
+  if not config.tie_embeddings:
+    head = next((h for h in _HEAD_NAMES if h in tensors), _HEAD_NAMES[0])
+    mapping = [(head if n == "lm_head.weight" else n, p, t) for n, p, t in mapping]
+  missing = [n for n, _, _ in mapping if n not in tensors]
+  if missing:
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    raise ValueError(f"{where}: missing tensors for {config.family} ({len(missing)}): "
+                     f"{missing[:8]}{more}")
+
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), impl=impl))
+  graphdef, state = nnx.split(abstract)
+  values = nnx.to_pure_dict(state)
+  for name, ppath, transpose in mapping:
+    want = values
+    for p in ppath:
+      want = want[p]
+    arr = tensors[name]
+    shape = arr.shape[::-1] if transpose else arr.shape
+    if tuple(shape) != tuple(want.shape):
+      got = tuple(arr.shape)
+      raise ValueError(f"{where}: tensor {name!r} has shape {got}, expected "
+                       f"{tuple(want.shape[::-1]) if transpose else tuple(want.shape)}")
+    x = jnp.asarray(np.asarray(arr)).astype(want.dtype)
+    _set(values, ppath, x.T if transpose else x)
+  nnx.replace_by_pure_dict(state, values)
+  return nnx.merge(graphdef, state)
+
+
+def load_tokenizer(path: str):
+  """The ``tokenizers.Tokenizer`` of ``path/tokenizer.json``, or None when there is none."""
+  path = _check_dir(path, "load_tokenizer")
+  file = os.path.join(path, TOKENIZER_FILE)
+  if not os.path.isfile(file):
+    return None
+  try:
+    import tokenizers
+  except ImportError:
+    raise ValueError(f"load_tokenizer({path}): {TOKENIZER_FILE} needs the 'tokenizers' package "
+                     f"(pip install tokenizers)") from None
+  return tokenizers.Tokenizer.from_file(file)

@@ -1,0 +1,378 @@
+"""rkv.models: presets, HF config parsing, checkpoint errors, caches, compilation behaviour."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rkv import models
+from rkv.models import ModelConfig, RopeConfig
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
+
+# The released config.json files (transformers 4.x layout), trimmed of unused keys.
+HUB_CONFIGS = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 8192,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vocab_size": 128256},
+    "llama3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vocab_size": 128256},
+    "qwen2.5-1.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 1536,
+        "intermediate_size": 8960, "max_position_embeddings": 131072, "max_window_layers": 28,
+        "model_type": "qwen2", "num_attention_heads": 12, "num_hidden_layers": 28,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "use_sliding_window": False, "vocab_size": 151936},
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000},
+    "gemma2-2b": {
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": False,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+        "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+        "vocab_size": 256000},
+    "gemma3-4b": {  # google/gemma-3-4b-it: the text config relies on Gemma3TextConfig defaults
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152}},
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets and configs
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,dims,params", [
+    ("llama3-8b", (32, 32, 8, 128, 128256, 4096), 8_030_261_248),
+    ("qwen2.5-1.5b", (28, 12, 2, 128, 151936, 1536), 1_543_714_304),
+    ("mistral-7b", (32, 32, 8, 128, 32000, 4096), 7_241_732_096),
+    ("gemma2-2b", (26, 8, 4, 256, 256000, 2304), 2_614_341_888),
+    ("gemma3-4b", (34, 8, 4, 256, 262208, 2560), 3_880_263_168),
+])
+def test_presets_have_true_dims(name, dims, params):
+  c = ModelConfig.preset(name)
+  assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+          c.hidden_size) == dims
+  assert c.param_count() == params  # the released checkpoints' parameter counts
+  assert c.dtype == np.dtype(jnp.bfloat16)
+
+
+def test_preset_features():
+  llama, qwen = ModelConfig.preset("llama3-8b"), ModelConfig.preset("qwen2.5-1.5b")
+  g2, g3 = ModelConfig.preset("gemma2-2b"), ModelConfig.preset("gemma3-4b")
+  assert llama.rope.theta == 500000.0 and not llama.tie_embeddings and llama.activation == "silu"
+  assert llama.kv_bytes_per_token(0) == 2 * 8 * 128 * 2
+  assert llama.kv_bytes_per_token() == 32 * 2 * 8 * 128 * 2
+  assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_embeddings
+  assert (g2.attn_softcap, g2.final_softcap, g2.attn_scale) == (50.0, 30.0, 256 ** -0.5)
+  assert g2.norm_plus_one and g2.sandwich_norms and g2.embed_scale and not g2.qk_norm
+  assert g2.activation == "gelu_tanh" and g2.tie_embeddings
+  assert g3.qk_norm and g3.attn_softcap is None and g3.final_softcap is None
+  assert g3.rope == RopeConfig(theta=1e6, kind="linear", factor=8.0)
+  assert g3.rope_local == RopeConfig(theta=1e4)
+  assert g3.layer_rope(0) == g3.rope_local and g3.layer_rope(5) == g3.rope
+
+
+def test_layer_windows():
+  assert ModelConfig.preset("llama3-8b").layer_windows == (None,) * 32
+  assert ModelConfig.preset("qwen2.5-1.5b").layer_windows == (None,) * 28
+  assert ModelConfig.preset("mistral-7b").layer_windows == (4096,) * 32
+  g2 = ModelConfig.preset("gemma2-2b")
+  assert g2.layer_windows == (4096, None) * 13
+  g3 = ModelConfig.preset("gemma3-4b")
+  assert g3.global_layers == (5, 11, 17, 23, 29)
+  assert all(g3.layer_windows[i] == 1024 for i in g3.sliding_layers)
+  assert len(g3.sliding_layers) == 29
+
+
+@pytest.mark.parametrize("name", sorted(HUB_CONFIGS))
+def test_from_hf_release_configs_match_presets(name):
+  got = ModelConfig.from_hf(HUB_CONFIGS[name], dtype="bfloat16")
+  assert got.replace(name=name) == ModelConfig.preset(name)
+
+
+def _v4_layout(arch: str, d: dict) -> dict:
+  """The transformers-4.x spelling of a fixture's (5.x) config.json."""
+  d = dict(d)
+  rp = d.pop("rope_parameters")
+  if arch == "gemma3":
+    d.update(rope_theta=rp["full_attention"]["rope_theta"],
+             rope_local_base_freq=rp["sliding_attention"]["rope_theta"],
+             rope_scaling={k: v for k, v in rp["full_attention"].items() if k != "rope_theta"},
+             sliding_window_pattern=2)
+  else:
+    d["rope_theta"] = rp.pop("rope_theta")
+    d["rope_scaling"] = None if rp.get("rope_type") == "default" else rp
+  if arch != "llama":
+    d.pop("layer_types", None)
+  d.pop("_sliding_window_pattern", None)
+  return d
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+def test_from_hf_reads_both_config_layouts(arch):
+  with open(os.path.join(FIXTURES, arch, "config.json")) as f:
+    d = json.load(f)
+  new = ModelConfig.from_hf(d)
+  assert new == ModelConfig.from_hf(_v4_layout(arch, d))
+  assert new.dtype == np.dtype(d["dtype"])  # the checkpoint's dtype unless one is asked for
+
+
+def test_fixture_configs_cover_the_features():
+  cfg = {a: models.load_config(os.path.join(FIXTURES, a)) for a in
+         ("llama", "qwen2", "mistral", "gemma2", "gemma3")}
+  assert cfg["llama"].rope.kind == "llama3" and cfg["llama"].layer_windows == (None, None)
+  assert cfg["qwen2"].layer_windows == (None, 8) and cfg["qwen2"].qkv_bias
+  assert cfg["mistral"].layer_windows == (8, 8) and cfg["mistral"].head_dim == 24
+  assert cfg["gemma2"].layer_windows == (8, None) and cfg["gemma2"].attn_softcap == 2.0
+  assert cfg["gemma3"].layer_windows == (6, None, 6) and cfg["gemma3"].rope.kind == "linear"
+  assert cfg["gemma3"].rope_local == RopeConfig(theta=1e4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+    (dict(layer_windows=(None,)), "layer_windows must have"),
+    (dict(layer_windows=(0, None)), "layer_windows entries"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(activation="relu"), "activation must be one of"),
+    (dict(head_dim=15), "head_dim must be even"),
+])
+def test_config_validation(change, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.preset("tiny-llama", **change)
+
+
+def test_from_hf_errors():
+  with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+  with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+    ModelConfig.from_hf({"model_type": "bert"})
+  llama = dict(HUB_CONFIGS["llama3-8b"])
+  with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+    ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+  del llama["hidden_size"]
+  with pytest.raises(ValueError, match="hidden_size"):
+    ModelConfig.from_hf(llama)
+  with pytest.raises(ValueError, match="unknown preset"):
+    ModelConfig.preset("llama-70b")
+
+
+def test_llama3_rope_scaling_bands():
+  base = RopeConfig(theta=500000.0).inv_freq(128)
+  scaled = ModelConfig.preset("llama3.1-8b").rope.inv_freq(128)
+  wavelen = 2 * np.pi / base
+  np.testing.assert_array_equal(scaled[wavelen < 8192 / 4], base[wavelen < 8192 / 4])
+  np.testing.assert_allclose(scaled[wavelen > 8192], base[wavelen > 8192] / 8, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint loading
+# ----------------------------------------------------------------------------------------------
+def _copy_fixture(arch, dst):
+  shutil.copytree(os.path.join(FIXTURES, arch), dst, dirs_exist_ok=True)
+  return str(dst)
+
+
+def test_load_hf_missing_files(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    models.load_hf(str(tmp_path / "nope"))
+  with pytest.raises(ValueError, match="missing config.json"):
+    models.load_hf(str(tmp_path))
+  path = _copy_fixture("mistral", tmp_path / "m")
+  os.remove(os.path.join(path, "model.safetensors"))
+  with pytest.raises(ValueError, match="no weights: expected model.safetensors"):
+    models.load_hf(path)
+  qwen = _copy_fixture("qwen2", tmp_path / "q")
+  os.remove(os.path.join(qwen, "model-00002-of-00003.safetensors"))
+  with pytest.raises(ValueError, match="model-00002-of-00003.safetensors"):
+    models.load_hf(qwen)
+
+
+def test_load_hf_unsupported_architecture(tmp_path):
+  path = _copy_fixture("llama", tmp_path / "x")
+  with open(os.path.join(path, "config.json")) as f:
+    d = json.load(f)
+  d["architectures"] = ["MixtralForCausalLM"]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(d, f)
+  with pytest.raises(ValueError, match="unsupported architecture 'MixtralForCausalLM'"):
+    models.load_hf(path)
+
+
+def test_load_hf_missing_or_misshapen_tensor(tmp_path):
+  src = models.read_safetensors(os.path.join(FIXTURES, "gemma2", "model.safetensors"))
+  path = _copy_fixture("gemma2", tmp_path / "g")
+  file = os.path.join(path, "model.safetensors")
+  name = "model.layers.1.pre_feedforward_layernorm.weight"
+  models.save_safetensors(file, {k: v for k, v in src.items() if k != name})
+  with pytest.raises(ValueError, match=f"missing tensors.*{name}"):
+    models.load_hf(path)
+  bad = dict(src)
+  bad["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 64), np.float32)
+  models.save_safetensors(file, bad)
+  with pytest.raises(ValueError, match=r"k_proj.weight' has shape \(3, 64\), expected \(64, 64\)"):
+    models.load_hf(path)
+  with open(file, "wb") as f:
+    f.write((1 << 40).to_bytes(8, "little"))
+  with pytest.raises(ValueError, match="header length"):
+    models.load_hf(path)
+
+
+def test_safetensors_roundtrip(tmp_path):
+  tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+             "b": np.array([1.5, -2.0], dtype=jnp.bfloat16),
+             "c": np.array([[1, 2]], dtype=np.int32)}
+  models.save_safetensors(str(tmp_path / "t.safetensors"), tensors, metadata={"format": "pt"})
+  back = models.read_safetensors(str(tmp_path / "t.safetensors"))
+  assert sorted(back) == ["a", "b", "c"]
+  for k, v in tensors.items():
+    assert back[k].dtype == v.dtype and back[k].shape == v.shape
+    np.testing.assert_array_equal(back[k], v)
+
+
+def test_load_tokenizer():
+  tok = models.load_tokenizer(os.path.join(FIXTURES, "llama"))
+  assert tok.encode("w1 w2 w127").ids == [1, 2, 127]
+  assert models.load_tokenizer(os.path.join(FIXTURES, "mistral")) is None
+
+
+def test_hf_weight_map_names_every_parameter():
+  for name in ("tiny-llama", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3"):
+    cfg = ModelConfig.preset(name)
+    abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = {tuple(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    mapped = {p for _, p, _ in models.hf_weight_map(cfg)}
+    assert mapped == params, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, caches, compilation
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+  return models.Transformer(ModelConfig.preset("tiny-gemma3"), rngs=nnx.Rngs(0), impl="xla")
+
+
+def test_tiny_model_jit_and_decode_without_recompiling(tiny_gemma3):
+  model = tiny_gemma3
+  cfg = model.config
+  graphdef, state = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  both = lambda s, t: (nnx.merge(graphdef, s)(t), nnx.merge(graphdef, s)(t, last_only=True))
+  full, last = jax.jit(both)(state, tokens)
+  assert full.shape == (2, 16, cfg.vocab_size) and full.dtype == jnp.float32
+  np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5)
+
+  traces = []
+
+  @jax.jit
+  def step(state, tokens, positions, caches):
+    traces.append(tokens.shape)
+    return nnx.merge(graphdef, state)(tokens, positions, caches)
+
+  caches = models.init_caches(cfg, 2, 16)
+  assert [type(c).__name__ for c in caches] == ["RingCache", "ResidentCache", "RingCache"]
+  pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+  out = []
+  logits, caches = step(state, tokens[:, :8], pos[:, :8], caches)
+  out.append(logits)
+  for i in range(8, 16):
+    # No positions: they continue from the caches' fill level.
+    logits, caches = step(state, tokens[:, i:i + 1], None, caches)
+    out.append(logits)
+  assert traces == [(2, 8), (2, 1)]  # one trace for the prefill, one for all 8 decode steps
+  assert step._cache_size() == 2
+  np.testing.assert_allclose(jnp.concatenate(out, axis=1), full, atol=1e-4)
+  assert int(caches[1].length) == 16 and int(caches[0].length) == 16
+
+
+def test_model_input_errors(tiny_gemma3):
+  with pytest.raises(ValueError, match="tokens must be an int array"):
+    tiny_gemma3(jnp.zeros((2, 3), jnp.float32))
+  with pytest.raises(ValueError, match="positions must be an int array"):
+    tiny_gemma3(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="one cache per layer"):
+    tiny_gemma3(jnp.zeros((1, 3), jnp.int32), caches=())
+  with pytest.raises(ValueError, match="impl must be one of"):
+    tiny_gemma3(jnp.zeros((1, 3), jnp.int32), impl="cuda")
+
+
+def test_ring_cache_keeps_the_last_cells():
+  ring = models.RingCache.empty(1, 4, 1, 2, jnp.float32)
+  kv = lambda p: jnp.broadcast_to(jnp.asarray(p, jnp.float32)[None, :, None, None], (1, len(p), 1, 2))
+
+  def write(ring, p):
+    return ring.write(kv(p), kv(p), jnp.asarray([p], jnp.int32))
+
+  ring = write(ring, [0, 1, 2])
+  ring = write(ring, [3, 4, 5])  # wraps: slots 3, 0, 1
+  assert ring.pos[0].tolist() == [4, 5, 2, 3] and int(ring.length) == 6
+  np.testing.assert_array_equal(ring.k[0, :, 0, 0], [4, 5, 2, 3])
+  ring = write(ring, list(range(6, 13)))  # longer than the ring: the last 4 cells survive
+  assert sorted(ring.pos[0].tolist()) == [9, 10, 11, 12] and int(ring.length) == 13
+  np.testing.assert_array_equal(ring.k[0, :, 0, 0], ring.pos[0])
+
+
+def test_resident_cache_overflow_and_shapes():
+  cache = models.ResidentCache.empty(1, 4, 2, 8, jnp.float32)
+  new = jnp.zeros((1, 3, 2, 8))
+  cache = cache.write(new, new, jnp.arange(3, dtype=jnp.int32)[None])
+  assert cache.pos[0].tolist() == [0, 1, 2, -1]
+  with pytest.raises(ValueError, match="overflows capacity"):
+    cache.write(new, new, jnp.arange(3, 6, dtype=jnp.int32)[None])
+  with pytest.raises(ValueError, match="new k/v must have shape"):
+    cache.write(jnp.zeros((1, 1, 3, 8)), jnp.zeros((1, 1, 3, 8)), jnp.zeros((1, 1), jnp.int32))
+  with pytest.raises(ValueError, match="serves a sliding-window layer"):
+    q = jnp.zeros((1, 1, 2, 8))
+    models.attend(models.RingCache.empty(1, 4, 2, 8, jnp.float32), q, q, q,
+                  jnp.zeros((1, 1), jnp.int32), window=None, softcap=None, scale=None,
+                  impl="xla")
+  with pytest.raises(TypeError, match="no attention registered"):
+    models.attend(object(), None, None, None, None, window=None, softcap=None, scale=None,
+                  impl="xla")
+
+
+def test_init_caches_layouts():
+  cfg = ModelConfig.preset("gemma2-2b")
+  caches = models.init_caches(cfg.replace(num_layers=2, layer_windows=(4096, None)), 1, 8192)
+  assert [type(c).__name__ for c in caches] == ["RingCache", "ResidentCache"]
+  assert [c.capacity for c in caches] == [4096, 8192]
+  assert caches[0].k.dtype == jnp.bfloat16
+  flat = models.init_caches(cfg.replace(num_layers=2, layer_windows=(4096, None)), 1, 2048)
+  assert [type(c).__name__ for c in flat] == ["ResidentCache"] * 2  # window >= context: no ring
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-1.5b", "gemma3-4b"])
+def test_model_parameters_match_the_release(name):
+  """The NNX model built from a preset (abstractly: nothing allocated) has the released count."""
+  cfg = ModelConfig.preset(name)
+  abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
+  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  assert sum(int(np.prod(x.shape)) for x in leaves) == cfg.param_count()
+  assert {x.dtype for x in leaves} == {np.dtype(jnp.bfloat16)}
