@@ -1,0 +1,46 @@
+"""Logit-equivalence gate: the stream tactic (RollingKV, most KV in the pinned-host tail) against
+the resident path, teacher-forced on the same tokens; prints the metrics and the verdict.
+
+Example (CPU, a fixture checkpoint; W=5, tile=4 force most of the 32 cells into the tail):
+  .venv/bin/python -m experiments.equiv_gate --checkpoint=tests/fixtures/hf/gemma2 \
+      --out=/tmp/equiv_gemma2.json
+A random-weight preset, the planner placing the tail under a tiny budget (bfloat16 gate):
+  .venv/bin/python -m experiments.equiv_gate --checkpoint= --preset=tiny-gemma3 \
+      --dtype=bfloat16 --seq_len=300 --prefill_len=290 --batch=1 --window_cells=-1 \
+      --tile_cells=-1 --vram_target_mib=0.03   # plans W=0, tile 128: 2 host tiles + 44 staged
+"""
+
+from absl import app
+from absl import flags
+
+from rkv import gates
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "tests/fixtures/hf/gemma2",
+                                  "Local HF checkpoint folder ('' to use --preset).")
+_PRESET = flags.DEFINE_string("preset", None, "A random-weight ModelConfig preset, e.g. tiny-llama.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model and KV dtype.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Tokens per row (without a reference.npz).")
+_PREFILL = flags.DEFINE_integer("prefill_len", 18, "Prefilled tokens; the rest are decoded.")
+_BATCH = flags.DEFINE_integer("batch", 2, "Rows (without a reference.npz).")
+_W = flags.DEFINE_integer("window_cells", 5, "Forced window W (-1: let the planner place it).")
+_TILE = flags.DEFINE_integer("tile_cells", 4, "Forced tail tile (-1: the planner's).")
+_VRAM = flags.DEFINE_float("vram_target_mib", 0.0,
+                           "KV budget for the planner when W/tile are not forced.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights and tokens.")
+_IMPL = flags.DEFINE_string("impl", "xla", "Attention backend (rkv.attention impl).")
+_OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
+
+
+def main(argv):
+  del argv
+  report = gates.equivalence_gate(
+      checkpoint=_CHECKPOINT.value or None, preset=_PRESET.value, dtype=_DTYPE.value,
+      seq_len=_SEQ_LEN.value, prefill_len=_PREFILL.value, batch=_BATCH.value,
+      window_cells=None if _W.value < 0 else _W.value,
+      tile_cells=None if _TILE.value < 0 else _TILE.value,
+      vram_target_mib=_VRAM.value, seed=_SEED.value, impl=_IMPL.value, out=_OUT.value)
+  return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,356 @@
+"""Chunked prefill and the decode loop over per-layer caches built from a residency plan.
+
+- :func:`caches_from_plan` turns a :class:`rkv.Plan` into one cache per layer: ``resident``
+  layers get a :class:`rkv.models.ResidentCache` (a :class:`rkv.models.RingCache` for a
+  sliding-window layer), ``stream`` layers a :class:`rkv.RollingKV` with the plan's W and tile.
+  ``cpu`` / ``hybrid`` / ``head`` are planned but not served here yet (ValueError).
+- :func:`prefill` feeds the prompt in chunks (a textual progress line on stderr for long prompts).
+- :func:`generate` samples: greedy (``temperature=0``), temperature, nucleus (``top_p``).
+- :func:`decode_logits` is the teacher-forced run the logit gates compare (:mod:`rkv.gates`).
+
+Compilation: when every cache is resident or a ring, the model runs through
+:func:`rkv.models.jit_forward`: the fill level is data, so the decode step ``[B,1]`` traces once
+and each prefill chunk shape once. A :class:`rkv.RollingKV` has a *static* fill (its window /
+staging / tail split is structure), so a jitted step would retrace every token; with any such
+layer the model runs eagerly (per-layer dispatch), and ``rkv.rolling_attention`` runs its own
+eager streaming schedule, which only exists outside ``jit`` anyway.
+
+Batches are unpadded: every row has the same prompt length (positions ``0..T-1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkv.cache import RollingKV
+from rkv.models.kv import ResidentCache, RingCache
+from rkv.models.transformer import jit_forward
+from rkv.residency import Plan
+
+DEFAULT_CHUNK = 512
+# Prompts at least this long print a progress line every PROGRESS_EVERY chunks.
+PROGRESS_MIN_TOKENS = 8192
+PROGRESS_EVERY = 8
+SUPPORTED_TACTICS = ("resident", "stream")
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches from a plan
+# ----------------------------------------------------------------------------------------------
+def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None,
+                     dtype=None) -> tuple:
+  """One empty cache per layer as ``plan`` places it.
+
+  ``capacity``: cells of each global layer's cache (default ``plan.context_len``); it must hold
+  the prompt plus the generated tokens. ``dtype``: the KV dtype (default ``config.dtype``).
+  Local layers get a ring of their window (:class:`RingCache`), or a resident cache of
+  ``capacity`` cells when the context is shorter than the window.
+  """
+  where = "caches_from_plan"
+  if not isinstance(plan, Plan):
+    raise ValueError(f"{where}: plan must be a rkv.Plan, got {type(plan).__name__}")
+  if len(plan.layers) != config.num_layers:
+    raise ValueError(f"{where}: plan has {len(plan.layers)} layers, config has "
+                     f"{config.num_layers}")
+  if not isinstance(batch, (int, np.integer)) or batch < 1:
+    raise ValueError(f"{where}: batch must be a positive int, got {batch!r}")
+  capacity = plan.context_len if capacity is None else capacity
+  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+  dtype = config.dtype if dtype is None else dtype
+  kh, d = config.num_kv_heads, config.head_dim
+  out = []
+  for i, lp in enumerate(plan.layers):
+    w = config.layer_windows[i]
+    if lp.tactic == "resident":
+      if w is not None and w < capacity:
+        out.append(RingCache.empty(batch, w, kh, d, dtype))
+      else:
+        out.append(ResidentCache.empty(batch, capacity, kh, d, dtype))
+    elif lp.tactic == "stream":
+      if lp.window_cells >= capacity:
+        raise ValueError(f"{where}: capacity={capacity} must exceed layer {i}'s window "
+                         f"W={lp.window_cells} for a streamed tail (plan for a longer "
+                         f"context_len or pass a larger capacity)")
+      out.append(RollingKV.empty(batch, capacity, kh, d, window_cells=lp.window_cells,
+                                 dtype=dtype, tile_cells=lp.tile_cells))
+    else:
+      raise ValueError(f"{where}: layer {i}'s tactic {lp.tactic!r} is not yet supported by "
+                       f"generation (supported: {SUPPORTED_TACTICS}); plan with "
+                       f"ResidencyConfig(mode='window') to stream the tail")
+  return tuple(out)
+
+
+def force_stream(plan: Plan, window_cells: int, tile_cells: int, *, local: bool = False) -> Plan:
+  """``plan`` with every global layer (and every local one with ``local``) set to the
+  ``stream`` tactic with ``W = window_cells`` and ``tile = tile_cells``, whatever the budget.
+
+  For gates and tests: it puts most of a short context in the host tail with tiles smaller than
+  the planner's WINDOW_ALIGN (the planner never plans a tail for a context that fits). Byte
+  fields are recomputed for the forced layout (K/V only, no positions).
+  """
+  where = "force_stream"
+  for name, val in (("window_cells", window_cells), ("tile_cells", tile_cells)):
+    if not isinstance(val, (int, np.integer)) or val < (1 if name == "tile_cells" else 0):
+      raise ValueError(f"{where}: {name} must be a {'positive' if name == 'tile_cells' else 'non-negative'} int, got {val!r}")
+  cap = plan.context_len
+  if window_cells >= cap:
+    raise ValueError(f"{where}: window_cells={window_cells} must be < plan.context_len={cap}")
+  s = plan.shape
+  cell = 2 * s.num_kv_heads * s.head_dim * np.dtype(s.kv_dtype).itemsize * plan.batch
+  layers = []
+  for lp in plan.layers:
+    if lp.kind == "global" or local:
+      p = cap - window_cells
+      host = p // tile_cells * tile_cells
+      lp = dataclasses.replace(
+          lp, tactic="stream", capacity=cap, window_cells=window_cells, tail_cells=p,
+          tile_cells=tile_cells, host_cells=host, resident_heads=None,
+          device_bytes=cell * (window_cells + min(tile_cells, p)), host_bytes=cell * host)
+    layers.append(lp)
+  return dataclasses.replace(plan, layers=tuple(layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the model
+# ----------------------------------------------------------------------------------------------
+def _all_jittable(caches) -> bool:
+  return all(isinstance(c, ResidentCache) for c in caches)  # RingCache is a ResidentCache
+
+
+def _cache_room(caches) -> tuple[int | None, int]:
+  """(cells the tightest bounded cache can still take — None if all are rings, fill)."""
+  room, fill = None, 0
+  for c in caches:
+    if isinstance(c, RingCache):
+      continue
+    if isinstance(c, RollingKV):
+      cap, n = c.capacity, c.fill
+    elif isinstance(c, ResidentCache):
+      cap, n = c.capacity, int(c.length)
+    else:
+      raise ValueError(f"caches: unsupported cache type {type(c).__name__}")
+    fill = max(fill, n)
+    room = cap - n if room is None else min(room, cap - n)
+  return room, fill
+
+
+def _check_caches(where, model, caches):
+  caches = tuple(caches)
+  if len(caches) != model.config.num_layers:
+    raise ValueError(f"{where}: caches must hold one cache per layer ({model.config.num_layers}),"
+                     f" got {len(caches)}")
+  return caches
+
+
+def _check_tokens(where, name, tokens, min_len=1):
+  tokens = np.asarray(tokens)
+  if tokens.ndim == 1:
+    tokens = tokens[None]
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"{where}: {name} must be int tokens [B,T] (or [T]), got {tokens.dtype} "
+                     f"{tuple(tokens.shape)}")
+  if tokens.shape[0] < 1 or tokens.shape[1] < min_len:
+    raise ValueError(f"{where}: {name} must hold at least {min_len} token(s) per row, got shape "
+                     f"{tuple(tokens.shape)}")
+  return tokens.astype(np.int32)
+
+
+def _check_chunk(where, chunk):
+  if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+    raise ValueError(f"{where}: chunk must be a positive int, got {chunk!r}")
+
+
+class _Stepper:
+  """Runs one model step on ``(tokens [B,T], positions [B,T], caches)`` -> ``([B,1,V], caches)``:
+  the jitted form when every cache is resident/ring, else the eager model (RollingKV layers)."""
+
+  def __init__(self, model, caches, forward=None):
+    self.jitted = _all_jittable(caches)
+    if self.jitted:
+      self.fn = forward if forward is not None else jit_forward(model, last_only=True)
+    else:
+      self.fn = lambda t, p, c: model(t, p, c, last_only=True)
+
+  def __call__(self, tokens, positions, caches):
+    return self.fn(jnp.asarray(tokens), jnp.asarray(positions), caches)
+
+
+def _positions(b, start, t):
+  return np.broadcast_to(np.arange(start, start + t, dtype=np.int32), (b, t))
+
+
+def _progress(done, total, elapsed, file):
+  width = 30
+  frac = done / total
+  bar = "#" * int(round(frac * width))
+  rate = done / elapsed if elapsed > 0 else float("inf")
+  print(f"prefill [{bar:<{width}}] {done}/{total} tokens {100 * frac:5.1f}% "
+        f"{rate:,.0f} tok/s", file=file, flush=True)
+
+
+def _prefill(step, tokens, caches, start, *, chunk, progress, progress_every):
+  b, t = tokens.shape
+  show = (t >= PROGRESS_MIN_TOKENS) if progress is None else bool(progress)
+  t0 = time.perf_counter()
+  logits = None
+  n_chunks = -(-t // chunk)
+  for j in range(n_chunks):
+    lo, hi = j * chunk, min(t, (j + 1) * chunk)
+    logits, caches = step(tokens[:, lo:hi], _positions(b, start + lo, hi - lo), caches)
+    if show and ((j + 1) % progress_every == 0 or j + 1 == n_chunks):
+      jax.block_until_ready(logits)
+      _progress(hi, t, time.perf_counter() - t0, sys.stderr)
+  return logits, caches
+
+
+def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool | None = None,
+            progress_every: int = PROGRESS_EVERY, forward=None):
+  """Feeds ``tokens [B,T]`` in chunks of ``chunk``; returns ``(logits [B,V] of the last
+  position, caches)``. ``progress``: print ``prefill [###...] n/T tokens ... tok/s`` to stderr
+  every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``). ``forward``: a
+  :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls (all-resident caches
+  only). The caches passed in are donated: use the returned ones."""
+  where = "prefill"
+  tokens = _check_tokens(where, "tokens", tokens)
+  caches = _check_caches(where, model, caches)
+  _check_chunk(where, chunk)
+  room, fill = _cache_room(caches)
+  if room is not None and tokens.shape[1] > room:
+    raise ValueError(f"{where}: caches have room for {room} more cells, tokens has "
+                     f"{tokens.shape[1]}: build caches with a larger capacity")
+  step = _Stepper(model, caches, forward)
+  logits, caches = _prefill(step, tokens, caches, fill, chunk=chunk, progress=progress,
+                            progress_every=progress_every)
+  return logits[:, -1], caches
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+@jax.jit
+def _greedy(logits):
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def _sample(logits, key, temperature, top_p):
+  """Nucleus sampling of ``logits [B,V]``: keep the most probable tokens whose probability mass
+  before them is < top_p (the top token always), renormalise, sample at ``temperature``."""
+  x = logits.astype(jnp.float32) / temperature
+  order = jnp.argsort(-x, axis=-1)
+  xs = jnp.take_along_axis(x, order, axis=-1)
+  probs = jax.nn.softmax(xs, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  xs = jnp.where(before < top_p, xs, -jnp.inf)
+  choice = jax.random.categorical(key, xs, axis=-1)
+  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """``tokens [B, max_new_tokens]`` int32 (the prompt excluded); seconds and tokens/s of the
+  prefill and of the decode steps (decode: the tokens after the first, which prefill yields);
+  ``jitted``: whether the steps ran through jit (False: some layer holds a RollingKV)."""
+
+  tokens: np.ndarray
+  prefill_s: float
+  decode_s: float
+  prefill_tokens_per_s: float
+  decode_tokens_per_s: float
+  jitted: bool
+  caches: tuple = dataclasses.field(repr=False, default=())
+
+
+def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, chunk: int = DEFAULT_CHUNK,
+             progress: bool | None = None, forward=None) -> Generation:
+  """Prefills ``prompt_tokens [B,T]`` (or ``[T]``) and generates ``max_new_tokens`` per row.
+
+  ``temperature=0``: greedy (argmax). Otherwise softmax sampling at ``temperature`` restricted to
+  the nucleus ``top_p`` (``top_p=1``: the whole vocabulary), reproducible for a ``seed``.
+  ``caches``: from :func:`caches_from_plan` or :func:`rkv.models.init_caches`, with room for
+  ``T + max_new_tokens`` cells; donated (the updated ones are in the result). ``forward``: a
+  ``jit_forward(model, last_only=True)`` to reuse, so repeated calls compile nothing new.
+  """
+  where = "generate"
+  prompt = _check_tokens(where, "prompt_tokens", prompt_tokens)
+  caches = _check_caches(where, model, caches)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    raise ValueError(f"{where}: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+  if not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"{where}: temperature must be >= 0 (0 = greedy), got {temperature!r}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"{where}: top_p must be in (0, 1], got {top_p!r}")
+  _check_chunk(where, chunk)
+  b, t = prompt.shape
+  room, fill = _cache_room(caches)
+  if room is not None and t + max_new_tokens > room:
+    raise ValueError(f"{where}: caches have room for {room} more cells but prompt_tokens ({t}) + "
+                     f"max_new_tokens ({max_new_tokens}) need {t + max_new_tokens}: build caches "
+                     f"with capacity >= {fill + t + max_new_tokens}")
+  step = _Stepper(model, caches, forward)
+  key = jax.random.key(seed)
+
+  def pick(logits, i):
+    if temperature == 0:
+      return _greedy(logits)
+    return _sample(logits, jax.random.fold_in(key, i), jnp.float32(temperature),
+                   jnp.float32(top_p))
+
+  t0 = time.perf_counter()
+  logits, caches = _prefill(step, prompt, caches, fill, chunk=chunk, progress=progress,
+                            progress_every=PROGRESS_EVERY)
+  out = []
+  if max_new_tokens:
+    out.append(pick(logits[:, -1], 0))
+  jax.block_until_ready(out or logits)
+  t1 = time.perf_counter()
+  pos = fill + t
+  for i in range(1, max_new_tokens):
+    logits, caches = step(out[-1][:, None], _positions(b, pos, 1), caches)
+    out.append(pick(logits[:, -1], i))
+    pos += 1
+  toks = np.stack([np.asarray(x) for x in out], axis=1) if out else np.zeros((b, 0), np.int32)
+  t2 = time.perf_counter()
+  n_dec = max(max_new_tokens - 1, 0)
+  return Generation(tokens=toks, prefill_s=t1 - t0, decode_s=t2 - t1,
+                    prefill_tokens_per_s=b * t / (t1 - t0),
+                    decode_tokens_per_s=(b * n_dec / (t2 - t1)) if n_dec else 0.0,
+                    jitted=step.jitted, caches=caches)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher-forced decoding (what the gates compare)
+# ----------------------------------------------------------------------------------------------
+def decode_logits(model, tokens, caches, *, prefill_len: int, chunk: int = DEFAULT_CHUNK,
+                  forward=None) -> np.ndarray:
+  """Prefills ``tokens[:, :prefill_len]``, then feeds ``tokens[:, prefill_len:]`` one at a time;
+  returns the logits of those incremental steps, ``[B, T - prefill_len, V]`` float32 — what a
+  full forward gives at positions ``prefill_len .. T-1`` if decoding is exact."""
+  where = "decode_logits"
+  tokens = _check_tokens(where, "tokens", tokens, min_len=2)
+  caches = _check_caches(where, model, caches)
+  b, t = tokens.shape
+  if not isinstance(prefill_len, (int, np.integer)) or not 1 <= prefill_len < t:
+    raise ValueError(f"{where}: prefill_len must be an int in [1, T-1] = [1, {t - 1}], got "
+                     f"{prefill_len!r}")
+  _check_chunk(where, chunk)
+  room, fill = _cache_room(caches)
+  if room is not None and t > room:
+    raise ValueError(f"{where}: caches have room for {room} more cells, tokens has {t}: build "
+                     f"caches with capacity >= {fill + t}")
+  step = _Stepper(model, caches, forward)
+  _, caches = _prefill(step, tokens[:, :prefill_len], caches, fill, chunk=chunk, progress=False,
+                       progress_every=PROGRESS_EVERY)
+  out = []
+  for i in range(prefill_len, t):
+    logits, caches = step(tokens[:, i:i + 1], _positions(b, fill + i, 1), caches)
+    out.append(np.asarray(logits[:, -1]))
+  return np.stack(out, axis=1)
