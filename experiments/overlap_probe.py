@@ -1,11 +1,16 @@
 """Does a host→device tail transfer overlap device compute, and through which mechanism?
 
 Compares, for one decode step over a device window plus a pinned-host tail of N tiles:
-  in_jit        rkv.rolling_attention (scan schedule: transfers are async fusions in one program)
-  eager_fetch   one tiny jitted fetch per tile (its own executable), all issued before compute
+  in_jit        rkv.rolling_attention(schedule="unrolled"): transfers inside one program
+  rkv_eager     rkv.rolling_attention(schedule="eager"), the default lookahead (host flow control)
+  rkv_eager_all the same with lookahead=None: every transfer up front, no host waits
+  eager_fetch   one tiny jitted fetch per tile from a stacked [N,B,tile,K,D] pinned_host array
+                (its own executable), all issued before compute
   eager_put     per-tile pinned_host arrays moved by jax.device_put (PJRT's transfer path)
   transfer_only the eager_put transfers alone;  compute_only  the attention on resident tiles
 If a variant overlaps, its time approaches max(transfer_only, compute_only) instead of the sum.
+The first H200 run (benchmarks/results/rolling_overlap/overlap_probe_h200.json) predates the
+per-tile cache: its in_jit row is the stacked-tail scan schedule (24.1 ms), eager_put 21.2 ms.
   python -m experiments.overlap_probe --context=524288 --window_fraction=0.5 --out=/tmp/overlap.json
 """
 
@@ -39,6 +44,9 @@ def main(argv):
   q_pos = jnp.full((b, 1), s - 1, jnp.int32)
   cache = rkv.RollingKV.from_arrays(k, v, window_cells=w, tile_cells=tile)
   win_k, win_v = k[:, :w], v[:, :w]
+  # The first design's stacked tail, for the eager_fetch variant.
+  stacked_k = memory.to_host(jnp.moveaxis(k[:, w:w + n * tile].reshape(b, n, tile, kh, d), 1, 0))
+  stacked_v = memory.to_host(jnp.moveaxis(v[:, w:w + n * tile].reshape(b, n, tile, kh, d), 1, 0))
   tiles_k = [memory.to_host(k[:, w + i * tile:w + (i + 1) * tile]) for i in range(n)]
   tiles_v = [memory.to_host(v[:, w + i * tile:w + (i + 1) * tile]) for i in range(n)]
   dev_tiles = [(memory.to_device(a), memory.to_device(c)) for a, c in zip(tiles_k, tiles_v)]
@@ -54,10 +62,16 @@ def main(argv):
     return merge([p[0] for p in parts], [p[1] for p in parts])
 
   def in_jit():
-    return rkv.rolling_attention(q, cache)
+    return rkv.rolling_attention(q, cache, schedule="unrolled")
+
+  def rkv_eager():
+    return rkv.rolling_attention(q, cache, schedule="eager")
+
+  def rkv_eager_all():
+    return rkv.rolling_attention(q, cache, schedule="eager", lookahead=None)
 
   def eager_fetch():
-    moved = [fetch(cache.tail.k, cache.tail.v, i) for i in range(n)]
+    moved = [fetch(stacked_k, stacked_v, i) for i in range(n)]
     parts = [attend(q, win_k, win_v, win_pos)]
     parts += [attend(q, mk, mv, tile_pos[i]) for i, (mk, mv) in enumerate(moved)]
     return finish(parts)
@@ -78,7 +92,8 @@ def main(argv):
 
   ref = in_jit()
   results = {}
-  for name, fn in [("in_jit", in_jit), ("eager_fetch", eager_fetch), ("eager_put", eager_put),
+  for name, fn in [("in_jit", in_jit), ("rkv_eager", rkv_eager), ("rkv_eager_all", rkv_eager_all),
+                   ("eager_fetch", eager_fetch), ("eager_put", eager_put),
                    ("transfer_only", transfer_only), ("compute_only", compute_only)]:
     out = fn()
     if name not in ("transfer_only", "in_jit"):

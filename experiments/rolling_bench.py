@@ -1,13 +1,15 @@
 """Rolling-cache decode benchmark: streamed host tail vs the performance model (DESIGN.md §6).
 
 On the H200 (bf16, H=32, K=8, D=128, B=1 decode), for each context and window fraction: the
-measured step time per stream schedule and tile size, the model time max(window kernel, tail
+measured step time per stream schedule (eager: per-tile eager transfers + dispatched partials;
+unrolled: one jitted program), lookahead and tile size, the model time max(window kernel, tail
 bytes / measured H2D rate), the tail's achieved GB/s, the resident and naive-offload baselines,
-the async transfer ops in each compiled program, and the append/flush cost. Writes JSON.
+the async transfer ops in the unrolled program, and the append/flush cost. Writes JSON.
 
 Example (H200):
   .venv/bin/python -m experiments.rolling_bench --contexts=131072,524288,1048576 \
-      --window_fractions=1.0,0.75,0.5,0.25 --schedules=scan,unrolled --tile_cells=16384,32768
+      --window_fractions=1.0,0.75,0.5,0.25 --schedules=eager,unrolled --lookaheads=4,all \
+      --tile_cells=16384,32768
 XLA flags worth a row each (set before JAX starts), e.g.
   XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true .venv/bin/python -m ...
 Tails above 64 GiB need XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set before JAX starts.
@@ -24,9 +26,11 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"],
                               "Context lengths (cells).")
 _FRACTIONS = flags.DEFINE_list("window_fractions", ["1.0", "0.75", "0.5", "0.25"],
                                "Share of the context held in the device window.")
-_SCHEDULES = flags.DEFINE_list("schedules", ["scan", "unrolled"], "Stream schedules to compare.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["eager", "unrolled"], "Stream schedules to compare.")
 _TILES = flags.DEFINE_list("tile_cells", ["32768"], "Tail tile sizes (cells) to compare.")
-_LOOKAHEAD = flags.DEFINE_integer("lookahead", 1, "Tiles requested ahead of the attended one.")
+_LOOKAHEADS = flags.DEFINE_list("lookaheads", ["4"], "Tiles requested ahead of the attended one, "
+                                "one row each; 'all' = every transfer up front (whole tail on "
+                                "the device during the step).")
 _HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
 _KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
@@ -40,13 +44,23 @@ _APPENDS = flags.DEFINE_integer("append_steps", 16, "One-token appends timed per
 _OUT = flags.DEFINE_string("out", "benchmarks/results/rolling_bench.json", "JSON output path.")
 
 
+def _lookahead(x: str):
+  if x == "all":
+    return None
+  try:
+    return int(x)
+  except ValueError:
+    raise app.UsageError(f"--lookaheads: expected positive ints or 'all', got {x!r}") from None
+
+
 def main(argv):
   del argv
   cfg = bench.BenchConfig(
       contexts=tuple(int(x) for x in _CONTEXTS.value),
       window_fractions=tuple(float(x) for x in _FRACTIONS.value),
       schedules=tuple(_SCHEDULES.value), tile_cells=tuple(int(x) for x in _TILES.value),
-      lookahead=_LOOKAHEAD.value, num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
+      lookaheads=tuple(_lookahead(x) for x in _LOOKAHEADS.value),
+      num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
       head_dim=_HEAD_DIM.value, dtype=_DTYPE.value, impl=_IMPL.value, warmup=_WARMUP.value,
       repeats=_REPEATS.value, append_steps=_APPENDS.value)
   result = bench.run(cfg)

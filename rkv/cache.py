@@ -2,36 +2,49 @@
 
 Cells fill in order: the first ``W = window_cells`` go to the **window** (device, ``[B,W,K,D]``),
 every later cell is **tail**-bound. Tail-bound cells are first written to a one-tile **staging**
-buffer on the device (``[B,tile,K,D]``); when it is full it is **flushed** to the host tail
-(``pinned_host``, ``[N,B,tile,K,D]``: tile axis leading so a jit slices one tile as one DMA).
-Positions (``k_pos``, int32, -1 = empty) live on the device for all three parts: 4 bytes a cell
-is 0.1% of a bf16 cell at K=8, D=128, and masks then need no transfer. int8 caches keep a scale
-per (token, KV head) next to each part (host for the tail): the tail crosses PCIe at about half
-the bf16 bytes and is dequantized on the device. Attention over the cache
-(:func:`rkv.rolling_attention`) is the exact LSE merge of window, staging and tail partials, so
-where a cell lives never changes the result.
+buffer on the device (``[B,tile,K,D]``); when it is full it is **flushed** to the host tail.
+The tail is a tuple of ``N`` **per-tile arrays**: ``kv.tail.k[i]`` / ``kv.tail.v[i]`` are tile
+``i``'s ``[B,tile,K,D]`` in memory kind ``pinned_host`` (int8 scales ``kv.tail.k_scale[i]``
+``[B,tile,K]`` likewise), ``kv.tail.pos[i]`` its ``[B,tile]`` positions; ``kv.tail_tiles`` gives
+the same as one :class:`KVBlock` per tile. Positions (``k_pos``, int32, -1 = empty) live on the
+device for all three parts: 4 bytes a cell is 0.1% of a bf16 cell at K=8, D=128, and masks then
+need no transfer. int8 caches keep a scale per (token, KV head) next to each part (host for the
+tail): the tail crosses PCIe at about half the bf16 bytes and is dequantized on the device.
+Attention over the cache (:func:`rkv.rolling_attention`) is the exact LSE merge of window,
+staging and tail partials, so where a cell lives never changes the result.
 
-Flush design (why O(tile)): the tail is preallocated for ``capacity`` and a flush is one jitted
-``dynamic_update_slice`` of the host tail with ``donate_argnums`` on it, the update being the
-staging tile moved to ``jax.memory.Space.Host``. Donation lets XLA alias the output to the input
-(``input_output_alias`` in the compiled module), so only the tile's bytes are written: verified on
-CPU (jax 0.11.2) by an unchanged buffer pointer and by ``cost_analysis()["bytes accessed"]`` being
-identical for tails of 4 and 64 tiles (without donation it grows with the tail). It is XLA's
-"MoveToHost → dynamic-update-slice into host memory" pattern, which the GPU host offloader turns
-into an async device→host DMA; ``tests/cache_test.py`` checks the same invariants on any backend,
-so the H200 run proves it there. The alternative (a tuple of per-tile host arrays, a flush
-replacing one leaf) is O(tile) by construction but cannot be sliced by a ``lax.fori_loop``, so
-the scan schedule would need a whole-tail stack per step.
+Why one array per tile (measured on the H200, jax 0.11.2; ``benchmarks/results/rolling_overlap``):
+the first design stacked the tail as one ``pinned_host`` array ``[N,B,tile,K,D]`` and moved
+tiles inside one jitted program (``device_put(tail[i], Space.Device)`` → XLA async
+``dynamic-slice-start/-done``, ``scan_128k_w50.hlo.txt``). That transfer did not overlap compute:
+a 512K-cell cache with half on the host took 24.1 ms a step in-jit against 21.0 ms for the
+transfer alone and 0.92 ms for the compute alone (sum 21.9), whatever the XLA flags, lookahead or
+tile size (``rb_*.json``). With separate per-tile ``pinned_host`` arrays moved by plain eager
+``jax.device_put`` (PJRT's transfer path, its own stream) and the attention dispatched as separate
+jitted calls, the step took 21.2 ms, the transfer time: full overlap (``overlap_probe_h200.json``,
+``experiments/overlap_probe.py``). :mod:`rkv.offload.stream` builds its default ``"eager"``
+schedule on that, and per-tile storage is what it needs.
+
+Flush design (O(tile) by construction): the tail is preallocated for ``capacity`` (every tile
+allocated in ``pinned_host`` at construction, so a tail too large for XLA's pinned-host pool fails
+there and not in the middle of a decode). A flush is ``jax.device_put`` of the staging tile's
+K/V (and scales) to the ``pinned_host`` sharding, and the result **replaces one leaf** of each
+tuple: no program ever takes the tail as an input, the other tiles' arrays are the same objects on
+the same buffers, and the replaced (empty) tile is freed when the old tuple goes. The staging
+positions array becomes the tile's positions as is (no copy; the staging gets a fresh -1 array).
+``tests/cache_test.py`` checks all of this (a flush still works with every other tile deleted).
+The device→host copy is PJRT's async transfer, as the host→device one the eager schedule uses.
 
 The fill level is static metadata (a Python int in the pytree's treedef): every placement
 decision — window or staging, whether to flush, which tail tile — is then plain Python, and no
-host write ever sits under a traced condition (which XLA cannot turn into DMA). The jitted writers
-take their offsets as traced scalars, so a changing fill does not recompile them; ``append`` and
-``rolling_attention`` jit internally and are meant to be called eagerly per layer and step. An
-outer ``jit`` over a function taking the cache retraces whenever the fill changes.
+host write ever sits under a traced condition. The jitted writers take their offsets as traced
+scalars, so a changing fill does not recompile them; ``append`` and ``rolling_attention`` jit
+internally and are meant to be called eagerly per layer and step. An outer ``jit`` over a function
+taking the cache retraces whenever the fill changes (and ``rolling_attention`` then runs its
+single-program ``"unrolled"`` schedule).
 
-``append`` donates the buffers it writes: the cache passed in must not be used afterwards
-(the usual in-place KV cache contract; the returned cache is the live one).
+``append`` donates the device buffers it writes (window, staging): the cache passed in must not be
+used afterwards (the usual in-place KV cache contract; the returned cache is the live one).
 """
 
 from __future__ import annotations
@@ -60,9 +73,10 @@ _ARRAY_NAMES = ("k", "v", "pos", "k_scale", "v_scale")
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class KVBlock:
-  """Cells of one storage part. ``k, v [...,S,K,D]``, ``pos [...,S]`` int32 (-1: empty slot),
-  ``k_scale, v_scale [...,S,K]`` float32 for int8 K/V, else None. Window and staging are
-  ``[B,S,...]``; the tail is ``[N,B,tile,...]``."""
+  """Cells of one storage part. ``k, v [B,S,K,D]``, ``pos [B,S]`` int32 (-1: empty slot),
+  ``k_scale, v_scale [B,S,K]`` float32 for int8 K/V, else None. Window and staging hold arrays;
+  the tail holds, in each field, a **tuple** of N per-tile arrays ``[B,tile,...]`` (K/V and scales
+  in ``pinned_host``, positions on the device)."""
 
   k: jax.Array
   v: jax.Array
@@ -77,6 +91,13 @@ jax.tree_util.register_dataclass(KVBlock, data_fields=list(_ARRAY_NAMES), meta_f
 @dataclasses.dataclass(frozen=True)
 class RollingKV:
   """One layer's KV cache: ``window`` (device), ``staging`` (device), ``tail`` (pinned_host).
+
+  ``window.k`` / ``window.v`` are ``[B,W,K,D]`` device arrays. ``tail.k`` / ``tail.v`` are tuples
+  of ``n_tail_tiles`` per-tile ``pinned_host`` arrays ``[B,tile,K,D]`` (``tail.pos``: tuple of
+  device ``[B,tile]``; int8 scales: tuples of ``pinned_host`` ``[B,tile,K]``); ``tail_tiles``
+  views them as one :class:`KVBlock` per tile. (Until the per-tile rework the tail was one
+  stacked ``[N,B,tile,K,D]`` array; see the module docstring for why it changed.) Only the first
+  ``n_full_tiles`` tiles hold data.
 
   Static fields: ``window_cells`` W, ``tile_cells``, ``capacity`` (W + P), ``fill`` (cells
   written). ``W == capacity`` means no tail and no staging: attention is the resident path.
@@ -125,7 +146,13 @@ class RollingKV:
   @property
   def n_tail_tiles(self) -> int:
     """Tiles allocated in the host tail (a last partial tile stays in staging)."""
-    return self.tail.pos.shape[0]
+    return len(self.tail.pos)
+
+  @property
+  def tail_tiles(self) -> tuple[KVBlock, ...]:
+    """The host tail as one :class:`KVBlock` per tile (``k, v [B,tile,K,D]`` pinned_host, ...),
+    all ``n_tail_tiles`` of them; the first ``n_full_tiles`` hold data."""
+    return _tiles(self.tail)
 
   @property
   def window_fill(self) -> int:
@@ -141,9 +168,11 @@ class RollingKV:
     return max(self.fill - self.window_cells, 0) % self.tile_cells
 
   def nbytes(self, part: str) -> int:
-    """Bytes of K, V and scales of ``part`` in ``("window", "staging", "tail")``."""
+    """Bytes of K, V and scales of ``part`` in ``("window", "staging", "tail")`` (the tail: all
+    ``n_tail_tiles`` allocated tiles)."""
     block = getattr(self, part)
-    return sum(x.nbytes for x in (block.k, block.v, block.k_scale, block.v_scale) if x is not None)
+    leaves = jax.tree.leaves((block.k, block.v, block.k_scale, block.v_scale))
+    return sum(x.nbytes for x in leaves)
 
   # --- constructors and writes ---
   @classmethod
@@ -200,13 +229,35 @@ jax.tree_util.register_dataclass(
     meta_fields=["window_cells", "tile_cells", "capacity", "fill"])
 
 
+def _tiles(tail: KVBlock) -> tuple[KVBlock, ...]:
+  """A tail of per-field tuples → one :class:`KVBlock` per tile."""
+  n = len(tail.pos)
+  get = lambda x, i: None if x is None else x[i]
+  return tuple(KVBlock(k=tail.k[i], v=tail.v[i], pos=tail.pos[i], k_scale=get(tail.k_scale, i),
+                       v_scale=get(tail.v_scale, i)) for i in range(n))
+
+
+def _untile(tiles, quantized: bool) -> KVBlock:
+  """One :class:`KVBlock` per tile → a tail of per-field tuples."""
+  field = lambda name: tuple(getattr(t, name) for t in tiles)
+  return KVBlock(k=field("k"), v=field("v"), pos=field("pos"),
+                 k_scale=field("k_scale") if quantized else None,
+                 v_scale=field("v_scale") if quantized else None)
+
+
 def memory_kinds(kv: RollingKV) -> dict[str, str | None]:
-  """``"part.field" -> memory kind`` for every array of the cache (for tests and debugging)."""
+  """``"part.field" -> memory kind`` for every array of the cache (for tests and debugging); the
+  tail's per-tile arrays are named ``"tail.field[i]"``."""
   out = {}
   for part in ("window", "staging", "tail"):
     for name in _ARRAY_NAMES:
       x = getattr(getattr(kv, part), name)
-      if x is not None:
+      if x is None:
+        continue
+      if part == "tail":
+        for i, tile in enumerate(x):
+          out[f"tail.{name}[{i}]"] = memory.memory_kind(tile)
+      else:
         out[f"{part}.{name}"] = memory.memory_kind(x)
   return out
 
@@ -343,16 +394,20 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
     out[:, :hi - lo] = x[:, lo:hi]
     return out
 
-  def tiles(x, fill_value):
-    full = x[:, t0:t1].reshape((b, n_full, tile_cells) + x.shape[2:])
-    full = np.moveaxis(full, 1, 0)  # tile axis leading: one tile is one contiguous DMA source
-    if n_tiles > n_full:
-      pad = np.full((n_tiles - n_full, b, tile_cells) + x.shape[2:], fill_value, x.dtype)
-      full = np.concatenate([full, pad])
-    return np.ascontiguousarray(full)
+  empties = {}
+
+  def tail_tile(x, i, fill_value):
+    """Tile i of the tail: cells of x, or an empty tile (one numpy buffer per field, copied)."""
+    if i < n_full:
+      lo = t0 + i * tile_cells
+      return np.ascontiguousarray(x[:, lo:lo + tile_cells])
+    key = (x.dtype.str, x.shape[2:], fill_value)
+    if key not in empties:
+      empties[key] = np.full((b, tile_cells) + x.shape[2:], fill_value, x.dtype)
+    return empties[key]
 
   blocks = {}
-  for part_name in ("window", "staging", "tail"):
+  for part_name in ("window", "staging"):
     fields = {}
     for name, x in arrays.items():
       if x is None:
@@ -361,15 +416,24 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
       empty = -1 if name == "pos" else 0
       if part_name == "window":
         fields[name] = memory.to_device(part(x, 0, wf, window_cells, empty))
-      elif part_name == "staging":
+      else:
         fields[name] = memory.to_device(part(x, t1, s, staging_cells, empty) if s > t1 else
                                         np.full((b, staging_cells) + x.shape[2:], empty, x.dtype))
-      else:
-        # Positions stay on the device (see the module docstring); K/V/scales go to pinned host.
-        place = memory.to_device if name == "pos" else memory.to_host
-        fields[name] = place(tiles(x, empty))
     blocks[part_name] = KVBlock(**fields)
-  return RollingKV(window=blocks["window"], staging=blocks["staging"], tail=blocks["tail"],
+  tiles = []
+  for i in range(n_tiles):
+    fields = {}
+    for name, x in arrays.items():
+      if x is None:
+        fields[name] = None
+        continue
+      # Positions stay on the device (see the module docstring); K/V/scales go to pinned host,
+      # one array per tile.
+      place = memory.to_device if name == "pos" else memory.to_host
+      fields[name] = place(tail_tile(x, i, -1 if name == "pos" else 0))
+    tiles.append(KVBlock(**fields))
+  tail = _untile(tiles, arrays["k_scale"] is not None)
+  return RollingKV(window=blocks["window"], staging=blocks["staging"], tail=tail,
                    window_cells=window_cells, tile_cells=tile_cells, capacity=capacity, fill=s)
 
 
@@ -383,36 +447,41 @@ def _write_cells(block: KVBlock, new: KVBlock, offset) -> KVBlock:
                       block, new)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_tiles(tail: KVBlock, new: KVBlock, start) -> KVBlock:
-  """Writes ``new [B,w*tile,...]`` (device) as tiles ``start .. start+w-1`` of the host tail.
+@functools.partial(jax.jit, static_argnames="tile")
+def _split_tiles(block: KVBlock, *, tile: int) -> tuple[KVBlock, ...]:
+  """``block [B,w*tile,...]`` (device) → w device blocks ``[B,tile,...]`` (fresh buffers)."""
+  w = block.k.shape[1] // tile
+  return tuple(jax.tree.map(lambda x: x[:, i * tile:(i + 1) * tile], block) for i in range(w))
 
-  In place: the tail is donated, so the compiled module aliases it and only ``w`` tiles move
-  (device→host DMA on GPU). Only the move and the dynamic_update_slice touch host memory.
-  """
-  b, tile = tail.pos.shape[1], tail.pos.shape[2]
 
-  def write(dst, src, to_host):
-    w = src.shape[1] // tile
-    src = jnp.moveaxis(src.reshape((b, w, tile) + src.shape[2:]), 1, 0)  # on the device
-    if to_host:
-      src = jax.device_put(src, jax.memory.Space.Host)
-    return jax.lax.dynamic_update_slice_in_dim(dst, src, start, axis=0)
+def _tile_to_host(tile: KVBlock) -> KVBlock:
+  """One device tile → a tail tile: K/V/scales to ``pinned_host`` by eager ``jax.device_put``
+  (PJRT's async device→host copy; never touches the tail), positions stay on the device."""
+  k, v, k_scale, v_scale = memory.to_host((tile.k, tile.v, tile.k_scale, tile.v_scale))
+  return KVBlock(k=k, v=v, pos=tile.pos, k_scale=k_scale, v_scale=v_scale)
 
-  return KVBlock(
-      k=write(tail.k, new.k, True), v=write(tail.v, new.v, True),
-      pos=write(tail.pos, new.pos, False),
-      k_scale=None if tail.k_scale is None else write(tail.k_scale, new.k_scale, True),
-      v_scale=None if tail.v_scale is None else write(tail.v_scale, new.v_scale, True))
+
+def _put_tiles(tail: KVBlock, start: int, tiles) -> KVBlock:
+  """The tail with tiles ``start, start+1, ...`` replaced by ``tiles`` (tail tiles): new tuples
+  sharing every other leaf."""
+  out = list(_tiles(tail))
+  if not 0 <= start <= len(out) - len(tiles):
+    raise ValueError(f"flush: tile index {start} (+{len(tiles)}) is outside the tail's "
+                     f"{len(out)} tiles")
+  out[start:start + len(tiles)] = tiles
+  return _untile(out, tail.k_scale is not None)
 
 
 def flush(tail: KVBlock, staging: KVBlock, index: int) -> tuple[KVBlock, KVBlock]:
   """Moves the full staging tile to host tail tile ``index``; returns (tail, emptied staging).
 
-  O(tile): one tile crosses to the host and the donated tail is updated in place.
+  O(tile) by construction: one ``jax.device_put`` of the staging K/V (and scales) to pinned host,
+  whose result replaces leaf ``index`` of the tail's tuples. The tail is not an input of anything:
+  the other tiles stay the same arrays. The staging positions become the tile's (no copy).
   """
-  tail = _write_tiles(tail, staging, jnp.int32(index))
-  # Emptying is just positions: stale K/V under pos = -1 never reach attention.
+  tail = _put_tiles(tail, index, [_tile_to_host(staging)])
+  # Emptying is just positions: stale K/V under pos = -1 never reach attention. A fresh array,
+  # because the old one now belongs to the tail tile.
   return tail, dataclasses.replace(staging, pos=jnp.full_like(staging.pos, -1))
 
 
@@ -450,8 +519,9 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
 
   ``pos [B,T]`` defaults to ``fill + arange(T)``; -1 marks a padding cell (ragged batches).
   Cells go to the window while it has room, then to the staging tile; a full staging tile is
-  flushed to the host tail, and whole tiles of a long chunk go to the host tail directly. The cost
-  is O(T + tile) whatever the tail holds. The buffers written are donated: use the returned cache.
+  flushed to the host tail (:func:`flush`), and whole tiles of a long chunk go to the host tail
+  directly, each replacing one tail leaf. The cost is O(T + tile) whatever the tail holds. The
+  window and staging buffers written are donated: use the returned cache.
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"append: kv must be a RollingKV, got {type(kv).__name__}")
@@ -470,7 +540,8 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
     whole = (t - i) // tile
     if staged == 0 and whole:
       # A long chunk: whole tiles skip the staging buffer (O(chunk), never O(tail)).
-      tail = _write_tiles(tail, _take(new, i, i + whole * tile), jnp.int32(tail_fill // tile))
+      moved = [_tile_to_host(x) for x in _split_tiles(_take(new, i, i + whole * tile), tile=tile)]
+      tail = _put_tiles(tail, tail_fill // tile, moved)
       fill, i = fill + whole * tile, i + whole * tile
       continue
     m = min(tile - staged, t - i)
@@ -491,16 +562,16 @@ def _cell_chunks(kv: RollingKV, name: str):
   if wx is None:
     return
   wf, n_full, ns = kv.window_fill, kv.n_full_tiles, kv.n_staged
-  # One plain copy of the tail to numpy: slicing a pinned_host array eagerly would be host
+  # Plain copies of whole tiles to numpy: slicing a pinned_host array eagerly would be host
   # compute on GPU.
-  tail = np.asarray(tx) if n_full else None
+  tail = [np.asarray(tx[i]) for i in range(n_full)]
   window = np.asarray(wx) if wf else None
   staging = np.asarray(sx) if ns else None
   for b in range(kv.batch):
     if wf:
       yield b, window[b, :wf]
     for i in range(n_full):
-      yield b, tail[i, b]
+      yield b, tail[i][b]
     if ns:
       yield b, staging[b, :ns]
 

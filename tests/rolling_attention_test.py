@@ -3,7 +3,8 @@
 Every case builds a ``RollingKV`` from the same cells a resident call sees and compares
 ``rkv.rolling_attention`` against ``rkv.attention(..., impl="reference")`` on the whole arrays
 and against the float64 NumPy reference, with the suite's named tolerances. Both stream schedules
-run; memory kinds are asserted on every cache the tests build.
+(``"eager"``: per-tile eager transfers and dispatches, ``"unrolled"``: one jitted program) run;
+memory kinds are asserted on every cache the tests build: every tail tile's K/V in pinned_host.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 import rkv
+from rkv import rolling
 from rkv.offload import memory
+from rkv.offload import stream
 from tests import numpy_reference
 from tests import attention_test
 from tests.attention_test import TOLERANCES
@@ -30,11 +33,17 @@ def assert_kinds(kv):
   kinds = rkv.cache.memory_kinds(kv)
   for name, kind in kinds.items():
     part, field = name.split(".")
+    field = field.split("[")[0]  # tail arrays are per tile: "tail.k[3]"
     want = memory.PINNED_HOST if part == "tail" and field != "pos" else memory.DEVICE
     assert kind == want, f"{name} is in {kind}, expected {want}"
   assert kv.window.k.sharding.memory_kind == "device"
-  assert kv.tail.k.sharding.memory_kind == "pinned_host"
-  assert kv.tail.v.sharding.memory_kind == "pinned_host"
+  assert isinstance(kv.tail.k, tuple) and len(kv.tail.k) == len(kv.tail.v) == kv.n_tail_tiles
+  for i, (tk, tv) in enumerate(zip(kv.tail.k, kv.tail.v)):
+    assert tk.sharding.memory_kind == "pinned_host", f"tail.k[{i}]"
+    assert tv.sharding.memory_kind == "pinned_host", f"tail.v[{i}]"
+    assert tk.shape == (kv.batch, kv.tile_cells, kv.num_kv_heads, kv.head_dim)
+  assert len(kinds) == 3 * (2 + kv.n_tail_tiles) + (2 * (2 + kv.n_tail_tiles) if kv.quantized
+                                                     else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +127,7 @@ def check(case, o, lse, o_ref, lse_ref, tol):
   np.testing.assert_allclose(lse[finite], lse_ref[finite], atol=tol[0], rtol=tol[1])
 
 
-@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+@pytest.mark.parametrize("schedule", ["eager", "unrolled"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_rolling_equals_resident(case, schedule):
   q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
@@ -163,15 +172,16 @@ def test_resident_path_when_window_holds_everything():
   case = Case("resident", window_cells=75)
   q, k, v, *_ = make(case)
   kv = rkv.RollingKV.from_arrays(k, v, window_cells=75, tile_cells=16)
-  assert kv.n_tail_tiles == 0 and kv.tail.k.shape[0] == 0 and kv.staging.k.shape[1] == 0
+  assert kv.n_tail_tiles == 0 and kv.tail.k == () and kv.staging.k.shape[1] == 0
   o, lse = rkv.rolling_attention(q, kv, impl="xla")
   o_res, lse_res = rkv.attention(q, k, v, impl="xla")
   np.testing.assert_array_equal(np.asarray(o), np.asarray(o_res))  # same code path, bit-equal
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_res))
 
 
-@pytest.mark.parametrize("lookahead", [2, 9])  # 9 >= the 3 tiles: every transfer issued up front
-@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+# 9 >= the 3 tiles and None: every transfer issued up front
+@pytest.mark.parametrize("lookahead", [1, 2, 9, None])
+@pytest.mark.parametrize("schedule", ["eager", "unrolled"])
 def test_lookahead_depths(schedule, lookahead):
   case = Case("lookahead", s=70, window_cells=10, tile=16, t=2)
   q, k, v, *_ = make(case, seed=2)
@@ -188,38 +198,122 @@ def test_empty_cache_sees_nothing():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
-def test_no_compute_on_host_data(schedule, kv_dtype):
-  # DESIGN.md §4: only slice/bitcast may sit between the host tail and device_put; a cast or
+def test_no_compute_on_host_data(kv_dtype):
+  # DESIGN.md §4: only data movement may touch the host tail inside a program; a cast or
   # dequantize there would run on the host CPU. The int8 tail must be dequantized on the device.
+  # (make_jaxpr traces, so rolling_attention runs its in-jit "unrolled" schedule here.)
   case = Case("hostcheck", kv_dtype=kv_dtype)
   q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
   kv = rkv.RollingKV.from_arrays(k, v, window_cells=20, k_scale=k_scale, v_scale=v_scale,
                                  tile_cells=16)
-  jaxpr = jax.make_jaxpr(lambda q, kv: rkv.rolling_attention(q, kv, impl="xla",
-                                                             schedule=schedule))(q, kv)
+  jaxpr = jax.make_jaxpr(lambda q, kv: rkv.rolling_attention(q, kv, impl="xla"))(q, kv)
   assert memory.host_compute_eqns(jaxpr) == []
-  report = memory.hlo_report(rkv.rolling.lower(q, kv, impl="xla", schedule=schedule)
+  report = memory.hlo_report(rkv.rolling.lower(q, kv, impl="xla", schedule="unrolled")
                              .compile().as_text())
-  assert report["host_params"] == (4 if kv_dtype else 2)  # k, v (+ scales) enter as host arrays
+  # k, v (+ scales) of each of the 3 full tiles enter as host arrays, the empty tile does not.
+  assert kv.n_full_tiles == 3
+  assert report["host_params"] == 3 * (4 if kv_dtype else 2)
   assert report["host_compute"] == 0
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-@pytest.mark.parametrize("schedule,lookahead", [("scan", 1), ("scan", 2), ("unrolled", 1)])
-def test_gpu_lowering_moves_every_tile(schedule, lookahead, kv_dtype):
-  # A CPU compile has no placement ops (one memory); lowering for CUDA shows the GPU program:
-  # one device placement per streamed array (k, v, + 2 scales) per fetch site — the scan body
-  # plus its `lookahead` prologue fetches, or every tile of the unrolled loop.
+@pytest.mark.parametrize("lookahead", [1, None])
+def test_gpu_lowering_moves_every_tile(lookahead, kv_dtype):
+  # A CPU compile has no placement ops (one memory); lowering for CUDA shows the GPU program of
+  # the unrolled schedule: one device placement per streamed array (k, v, + 2 scales) per tile.
   case = Case("lowering", s=84, window_cells=20, tile=16, kv_dtype=kv_dtype)  # 4 whole tiles
   q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
   kv = rkv.RollingKV.from_arrays(k, v, window_cells=20, k_scale=k_scale, v_scale=v_scale,
                                  tile_cells=16)
-  text = rkv.rolling.lower(q, kv, impl="xla", schedule=schedule, lookahead=lookahead,
+  text = rkv.rolling.lower(q, kv, impl="xla", schedule="unrolled", lookahead=lookahead,
                            platforms=("cuda",)).as_text()
   arrays = 4 if kv_dtype else 2
-  sites = lookahead + 1 if schedule == "scan" else kv.n_full_tiles
-  assert memory.placement_report(text) == {"device": arrays * sites}
+  assert memory.placement_report(text) == {"device": arrays * kv.n_full_tiles}
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager schedule: issue order, flow control, device-only programs, one tile program
+# ----------------------------------------------------------------------------------------------
+def _spy_eager(monkeypatch):
+  """Logs the eager schedule's transfers, partial dispatches and host waits, in order."""
+  log = []
+  put, part, wait = stream.put_eager, rolling._partial_jit, stream._wait
+
+  def spy_put(tile, device=None):
+    log.append(("put", int(tile.pos[0, 0])))
+    assert memory.memory_kind(tile.k) == memory.PINNED_HOST
+    return put(tile, device)
+
+  def spy_partial(q, q_pos, block, **kw):
+    # Every program the eager schedule dispatches sees device arrays only.
+    for x in jax.tree.leaves(block):
+      assert memory.memory_kind(x) == memory.DEVICE
+    log.append(("attend", int(block.pos[0, 0]), block.k.shape[1]))
+    return part(q, q_pos, block, **kw)
+
+  def spy_wait(partial):
+    log.append(("wait",))
+    wait(partial)
+
+  monkeypatch.setattr(stream, "put_eager", spy_put)
+  monkeypatch.setattr(rolling, "_partial_jit", spy_partial)
+  monkeypatch.setattr(stream, "_wait", spy_wait)
+  return log
+
+
+@pytest.mark.parametrize("lookahead", [2, None])
+def test_eager_issue_order(monkeypatch, lookahead):
+  # W=10, four 16-cell tiles (starting at 10, 26, 42, 58), 6 staged cells (74..79).
+  case = Case("order", s=80, window_cells=10, tile=16)
+  q, k, v, *_ = make(case, seed=3)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  log = _spy_eager(monkeypatch)
+  o, lse = rkv.rolling_attention(q, kv, impl="xla", lookahead=lookahead)  # eager is the default
+  window, staging = ("attend", 0, 10), ("attend", 74, 16)
+  tile = lambda i: ("attend", 10 + 16 * i, 16)
+  put = lambda i: ("put", 10 + 16 * i)
+  if lookahead == 2:
+    # The first two transfers go out before the window/staging partials; tile i + 2 is requested
+    # before tile i is attended, after the host waited for tile i - 1.
+    assert log == [put(0), put(1), window, staging, put(2), tile(0), ("wait",), put(3), tile(1),
+                   tile(2), tile(3)]
+  else:
+    # Every transfer up front, no host wait.
+    assert log == [put(0), put(1), put(2), put(3), window, staging, tile(0), tile(1), tile(2),
+                   tile(3)]
+  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
+  assert_kinds(kv)
+
+
+def test_eager_compiles_one_tile_program():
+  # Every tile (and the staging tile, same shape) reuses one compiled partial: a cache with more
+  # tiles adds no compilation of it. (d=24 appears in no other test, so the count is ours.)
+  case = Case("compile", s=90, window_cells=10, tile=16, d=24)
+  q, k, v, *_ = make(case, seed=5)
+  before = rolling._partial_jit._cache_size()
+  small = rkv.RollingKV.from_arrays(k[:, :50], v[:, :50], window_cells=10, tile_cells=16)
+  rkv.rolling_attention(q, small, impl="xla")  # 2 tiles + 8 staged cells
+  assert rolling._partial_jit._cache_size() == before + 2  # the window's and the tile's
+  large = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  o, lse = rkv.rolling_attention(q, large, impl="xla")  # 5 tiles
+  assert rolling._partial_jit._cache_size() == before + 2
+  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
+
+
+def test_eager_falls_back_to_unrolled_under_jit(monkeypatch):
+  case = Case("jit", s=70, window_cells=10, tile=16, t=2)
+  q, k, v, *_ = make(case, seed=6)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  log = _spy_eager(monkeypatch)
+  o, lse = jax.jit(lambda q, kv: rkv.rolling_attention(q, kv, impl="xla"))(q, kv)
+  assert log == []  # no eager transfer or dispatch happened: the in-jit schedule ran
+  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
+
+
+def test_lower_refuses_eager():
+  kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
+  with pytest.raises(ValueError, match="schedule"):
+    rkv.rolling.lower(jnp.ones((1, 1, 4, 16)), kv, schedule="eager")
 
 
 def test_host_compute_check_catches_a_cast_on_host():
@@ -262,21 +356,23 @@ def test_pallas_partials_match():
   case = Case("pallas", s=60, window_cells=12, tile=16, t=1)
   q, k, v, *_ = make(case, seed=4)
   kv = rkv.RollingKV.from_arrays(k, v, window_cells=12, tile_cells=16)
-  o, lse = rkv.rolling_attention(q, kv, impl="pallas", schedule="unrolled")
+  o, lse = rkv.rolling_attention(q, kv, impl="pallas")  # the default eager schedule
   check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), TOLERANCES["float32"]["o"])
 
 
 BAD = [
     ("tactic", dict(tactic="cpu")),
     ("schedule", dict(schedule="pipelined")),
+    ("schedule", dict(schedule="scan")),  # gone with the stacked tail
     ("lookahead", dict(lookahead=0)),
+    ("lookahead", dict(lookahead=2.0)),
     ("impl", dict(impl="cuda")),
     ("window", dict(window=0)),
     ("q_pos", dict(q_pos=jnp.zeros((1, 3), jnp.int32))),
 ]
 
 
-@pytest.mark.parametrize("name,kw", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("name,kw", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_arguments_name_themselves(name, kw):
   kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
   with pytest.raises(ValueError, match=name):

@@ -3,14 +3,17 @@
 For each context length and window fraction it builds a :class:`rkv.RollingKV` and measures, in
 one process so the ratios are comparable (DESIGN.md §5: ±15% run to run):
 
-- ``step_s``: one decode step of :func:`rkv.rolling_attention` per schedule and tile size
+- ``step_s``: one decode step of :func:`rkv.rolling_attention` per schedule (``"eager"``: per-tile
+  eager transfers and dispatches, ``"unrolled"``: one jitted program), lookahead and tile size
   (median wall clock after warm-up, ``block_until_ready``);
 - ``window_s``: the resident kernel over the window alone; ``h2d_gbps``: ``device_put`` of the
   pinned-host tail to the device; ``model_s = max(window_s, tail_bytes / h2d_rate)`` (DESIGN.md
   §6: overlap is a max, not a sum) and ``step_s / model_s``;
 - ``tail_gbps``: tail bytes over the step time; ``resident_s``: the whole context on the device
-  (where it fits); ``naive_s``: copy the whole tail to the device, then attend;
-- the async host→device transfer ops of each schedule's compiled program (``hlo_report``);
+  (where it fits); ``naive_s``: move every per-tile tail array to the device (eager
+  ``device_put``), then attend in one program (no overlap);
+- the async host→device transfer ops of the ``"unrolled"`` schedule's compiled program
+  (``hlo_report``; the eager schedule is many small programs: ``hlo`` is None);
 - the cost of a one-token append with the tail holding 0, 1/4 and 1/2 of the context, and of the
   append that flushes a tile.
 
@@ -33,17 +36,17 @@ import rkv
 from rkv import benchmarking
 from rkv import cache as cache_lib
 from rkv import rolling
-from rkv.attention import merge_partials
 from rkv.offload import memory
+from rkv.offload import stream
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   contexts: tuple[int, ...] = (131072, 524288, 1048576)
   window_fractions: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
-  schedules: tuple[str, ...] = ("scan", "unrolled")
+  schedules: tuple[str, ...] = ("eager", "unrolled")
   tile_cells: tuple[int, ...] = (32768,)
-  lookahead: int = 1
+  lookaheads: tuple[int | None, ...] = (rolling.DEFAULT_LOOKAHEAD,)  # None: every tile up front
   batch: int = 1
   num_heads: int = 32
   num_kv_heads: int = 8
@@ -95,21 +98,22 @@ def _fits_on_device(nbytes: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
-def _naive(q, q_pos, window, staging, tail, *, impl):
-  """Naive offload: move the whole tail to the device, then attend (no overlap, 2x tail in HBM)."""
-  n, b, tile = tail.pos.shape
-  to_cells = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, n * tile) + x.shape[3:])
-  dev = lambda x: None if x is None else to_cells(jax.device_put(x, jax.memory.Space.Device))
-  parts = []
-  for blk in (window, staging,
-              cache_lib.KVBlock(dev(tail.k), dev(tail.v), to_cells(tail.pos), dev(tail.k_scale),
-                                dev(tail.v_scale))):
-    if blk.k.shape[1]:
-      parts.append(rkv.attention(q, blk.k, blk.v, q_pos=q_pos, k_pos=blk.pos,
-                                 k_scale=blk.k_scale, v_scale=blk.v_scale, impl=impl))
-  o, lse = merge_partials(jnp.stack([p[0].astype(jnp.float32) for p in parts]),
-                          jnp.stack([p[1] for p in parts]))
-  return o.astype(q.dtype), lse
+def _attend_all(q, q_pos, blocks, *, impl):
+  """One program: the cells of every block (window, staging, the tail's tiles on the device)
+  concatenated, then one attention call."""
+  blocks = [b for b in blocks if b.k.shape[1]]
+  cat = lambda name: (None if getattr(blocks[0], name) is None else
+                      jnp.concatenate([getattr(b, name) for b in blocks], axis=1))
+  return rkv.attention(q, cat("k"), cat("v"), q_pos=q_pos, k_pos=cat("pos"),
+                       k_scale=cat("k_scale"), v_scale=cat("v_scale"), impl=impl)
+
+
+def _naive(q, q_pos, kv, *, impl):
+  """Naive offload: move the whole streamed tail to the device (eager ``device_put`` of every
+  per-tile array), then attend in one program that waits for all of it (no overlap, 2x tail in
+  HBM for the concatenation)."""
+  tiles = jax.device_put(kv.tail_tiles[:kv.n_full_tiles], memory.sharding(memory.DEVICE))
+  return _attend_all(q, q_pos, (kv.window, kv.staging) + tuple(tiles), impl=impl)
 
 
 def _step_rows(cfg: BenchConfig, s: int, cells: dict, q, q_pos, resident_s):
@@ -131,26 +135,29 @@ def _step_rows(cfg: BenchConfig, s: int, cells: dict, q, q_pos, resident_s):
                                                    k_scale=wb.k_scale, v_scale=wb.v_scale,
                                                    impl=cfg.impl), cfg.warmup, cfg.repeats)
       if kv.n_full_tiles and h2d_gbps is None:
+        # Every per-tile tail array (k, v, scales) in one eager device_put: the transfer path the
+        # eager schedule uses.
         dev = memory.sharding(memory.DEVICE)
-        put = lambda: (jax.device_put(kv.tail.k, dev), jax.device_put(kv.tail.v, dev))
-        h2d_s = _median_s(put, 1, max(cfg.repeats // 4, 2))
+        tail = (kv.tail.k, kv.tail.v, kv.tail.k_scale, kv.tail.v_scale)
+        h2d_s = _median_s(lambda: jax.device_put(tail, dev), 1, max(cfg.repeats // 4, 2))
         h2d_gbps = kv.nbytes("tail") / h2d_s / 1e9
       if kv.n_full_tiles and cfg.naive and naive_s is None and _fits_on_device(
           2 * kv.nbytes("tail")):
-        naive_s = _median_s(lambda: _naive(q, q_pos, kv.window, kv.staging, kv.tail,
-                                           impl=cfg.impl), 1, max(cfg.repeats // 4, 2))
-      schedules = cfg.schedules if kv.n_full_tiles else ("resident",)
-      for schedule in schedules:
+        naive_s = _median_s(lambda: _naive(q, q_pos, kv, impl=cfg.impl), 1,
+                            max(cfg.repeats // 4, 2))
+      runs = ([(s_, la) for s_ in cfg.schedules for la in cfg.lookaheads] if kv.n_full_tiles
+              else [("resident", None)])
+      for schedule, lookahead in runs:
         kw = dict(q_pos=q_pos, impl=cfg.impl)
         if schedule != "resident":
-          kw.update(schedule=schedule, lookahead=cfg.lookahead)
+          kw.update(schedule=schedule, lookahead=lookahead)
         step_s = _median_s(lambda: rkv.rolling_attention(q, kv, **kw), cfg.warmup, cfg.repeats)
         hlo = None
-        if schedule != "resident":
+        if schedule == "unrolled":
           hlo = memory.hlo_report(rolling.lower(q, kv, **kw).compile().as_text())
         tail_s = base["streamed_bytes"] / (h2d_gbps * 1e9) if h2d_gbps else 0.0
         model_s = max(window_s or 0.0, tail_s)
-        rows.append(dict(base, schedule=schedule, lookahead=cfg.lookahead, step_s=step_s,
+        rows.append(dict(base, schedule=schedule, lookahead=lookahead, step_s=step_s,
                          window_s=window_s, tail_model_s=tail_s, h2d_gbps=h2d_gbps,
                          model_s=model_s, step_over_model=step_s / model_s if model_s else None,
                          tail_gbps=base["streamed_bytes"] / step_s / 1e9 if tail_s else None,
@@ -187,7 +194,7 @@ def _append_rows(cfg: BenchConfig, s: int, cells: dict):
     flush_s = None
     if kv.n_tail_tiles:
       # The flush on its own, warm: rewrites tile 0 of this throwaway cache again and again
-      # (each call donates the previous tail, as append does).
+      # (each call replaces leaf 0 of the tail tuples with a fresh pinned_host tile, as append does).
       state = [kv.tail, kv.staging]
 
       def one_flush():
@@ -205,10 +212,11 @@ def _append_rows(cfg: BenchConfig, s: int, cells: dict):
 
 def run(cfg: BenchConfig) -> dict:
   """Runs every row of ``cfg``; returns the JSON-ready result."""
-  for name in ("schedules",):
-    for sch in getattr(cfg, name):
-      if sch not in rolling.SCHEDULES:
-        raise ValueError(f"run: schedules must be drawn from {rolling.SCHEDULES}, got {sch!r}")
+  for sch in cfg.schedules:
+    if sch not in rolling.SCHEDULES:
+      raise ValueError(f"run: schedules must be drawn from {rolling.SCHEDULES}, got {sch!r}")
+  for la in cfg.lookaheads:
+    stream.check_lookahead(la, "run: lookaheads")
   result = dict(
       benchmark="rolling_bench", **benchmarking.environment(), config=dataclasses.asdict(cfg), host_pool_gib=memory.host_pool_bytes() / 2**30,
       xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -243,15 +251,21 @@ def format_table(result: dict) -> str:
       return f"{'-':>{width}}"
     return f"{format(x * scale if scale != 1.0 else x, fmt):>{width}}"
 
+  def ahead(r):
+    if r["schedule"] == "resident":
+      return "-"
+    return "all" if r["lookahead"] is None else str(r["lookahead"])
+
   lines = [f"{result['device']} ({result['backend']}, jax {result['jax']})",
-           f"{'context':>8} {'W frac':>6} {'tile':>6} {'schedule':>9} {'step ms':>8} "
+           f"{'context':>8} {'W frac':>6} {'tile':>6} {'schedule':>9} {'ahead':>5} {'step ms':>8} "
            f"{'model ms':>8} {'ratio':>6} {'win ms':>8} {'h2d GB/s':>8} {'tail GB/s':>9} "
            f"{'resid ms':>8} {'naive ms':>8} {'h2d async':>9}"]
   for r in result["steps"]:
     hlo = None if r["hlo"] is None else r["hlo"]["h2d_async"]
     lines.append(
         f"{r['context']:>8} {r['window_fraction']:>6.2f} {r['tile_cells']:>6} "
-        f"{r['schedule']:>9} {cell(r['step_s'], 8, scale=1e3)} {cell(r['model_s'], 8, scale=1e3)} "
+        f"{r['schedule']:>9} {ahead(r):>5} "
+        f"{cell(r['step_s'], 8, scale=1e3)} {cell(r['model_s'], 8, scale=1e3)} "
         f"{cell(r['step_over_model'], 6, '.2f')} {cell(r['window_s'], 8, scale=1e3)} "
         f"{cell(r['h2d_gbps'], 8, '.1f')} {cell(r['tail_gbps'], 9, '.1f')} "
         f"{cell(r['resident_s'], 8, scale=1e3)} {cell(r['naive_s'], 8, scale=1e3)} "

@@ -1,5 +1,17 @@
 """Memory kinds, placement helpers, the pinned-host pool check, and compiled-HLO inspection.
 
+What the H200 measured (jax 0.11.2; ``benchmarks/results/rolling_overlap/``), which decides how the
+tail moves: a host→device move **inside one jitted program** (``device_put(tail[i],
+Space.Device)`` of a stacked ``pinned_host`` tail → async ``dynamic-slice-start/-done``) did not
+overlap compute — 24.1 ms a step for a 512K-cell cache half on the host, against 21.0 ms for the
+transfer alone and 0.92 ms for the compute alone; no XLA flag, lookahead or tile size changed it
+(``rb_*.json``). **Eager** ``jax.device_put`` of separate per-tile ``pinned_host`` arrays to the
+device sharding (PJRT's transfer path, its own stream), issued before separately dispatched
+jitted partials, overlapped fully: 21.2 ms (``overlap_probe_h200.json``). So ``rkv.cache`` keeps
+one ``pinned_host`` array per tile, flushes with an eager ``device_put`` to :func:`sharding`
+``(PINNED_HOST)``, and ``rkv.offload.stream``'s default schedule moves tiles with eager
+``device_put`` s to ``sharding(DEVICE)``.
+
 What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIGN.md §4):
 
 - A CPU device has the memories ``device`` (default), ``pinned_host`` and ``unpinned_host``.
@@ -16,20 +28,23 @@ What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIG
   them, so CI can check the GPU program's structure. ``jax.memory.Space.Device`` / ``.Host`` and
   ``SingleDeviceSharding(dev, memory_kind=...)`` lower the same way (the sharding form adds a
   sharding constraint); the Space form is used inside jit.
+- Eager ``jax.device_put`` between ``device`` and ``pinned_host`` shardings works both ways and
+  on pytrees (one call moves a tile's k, v and scales).
 - A jitted ``dynamic_update_slice`` of a ``pinned_host`` array with a tile moved to
   ``Space.Host`` works; with ``donate_argnums`` on the host array the compiled module aliases
   input and output (``input_output_alias``), the buffer pointer is unchanged, and
   ``cost_analysis()["bytes accessed"]`` is the same for a 4-tile and a 64-tile tail (without
-  donation it copies the whole tail: 0.3 MB vs 4.3 MB). ``rkv.cache`` builds its flush on this.
+  donation it copies the whole tail: 0.3 MB vs 4.3 MB). The stacked-tail flush was built on this;
+  the per-tile tail no longer needs it (a flush replaces one leaf).
 - A computation on host data (``tail[i].astype(f32)`` before the ``device_put``) traces fine and
   runs on CPU; on GPU XLA turns it into slow host compute (``_xla_compute_type="host"``).
   :func:`host_compute_eqns` finds such equations in a jaxpr so tests can forbid them.
 - ``jax.experimental.compute_on`` accepts ``"device_host"`` and ``"gpu_stream:N"``; neither is
   needed for streaming, noted here for the CPU-tail tactic of a later issue.
-- XLA GPU flags to try on the H200 (present in jaxlib 0.11.2, unverified here, set through
-  ``XLA_FLAGS`` before JAX starts): ``--xla_gpu_enable_pipelined_host_offloading`` (default off:
-  lets the loop pipeliner issue a while loop's host reload one iteration ahead — the scan
-  schedule's pattern) and ``--xla_gpu_enable_host_memory_offloading``.
+- XLA GPU flags tried on the H200 for the in-jit move (``rb_*.json``), none of which made it
+  overlap: ``--xla_gpu_enable_pipelined_host_offloading``,
+  ``--xla_gpu_enable_host_memory_offloading``, ``--xla_gpu_enable_highest_priority_async_stream``,
+  ``--xla_gpu_enable_latency_hiding_scheduler``.
 
 The pinned-host pool: XLA's GPU client caps pinned host memory at 64 GiB unless
 ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set *before JAX starts* (it is read once, when the GPU
@@ -69,7 +84,8 @@ def to_device(x, device: jax.Device | None = None) -> jax.Array:
 
 
 def to_host(x, device: jax.Device | None = None) -> jax.Array:
-  """A fresh ``pinned_host`` copy of ``x`` (numpy input goes straight to host, no device hop)."""
+  """A fresh ``pinned_host`` copy of ``x`` (numpy input goes straight to host, no device hop);
+  ``x`` may be a pytree (one call, every leaf)."""
   return jax.device_put(x, sharding(PINNED_HOST, device), may_alias=False)
 
 
@@ -207,8 +223,8 @@ _PLACEMENT = re.compile(r'annotate_device_placement.*?_xla_buffer_placement\s*=\
 def placement_report(lowered_text: str) -> dict[str, int]:
   """Memory kind → count of ``annotate_device_placement`` ops in a lowered (StableHLO) module.
 
-  Each is one ``device_put`` inside jit (one per tile and array of a streamed tail, per loop body
-  for the scan schedule). Lower for GPU on any machine with
+  Each is one ``device_put`` inside jit (one per tile and array of a streamed tail in the
+  ``"unrolled"`` schedule). Lower for GPU on any machine with
   ``jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``.
   """
   return dict(collections.Counter(_PLACEMENT.findall(lowered_text)))

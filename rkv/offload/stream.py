@@ -1,31 +1,61 @@
-"""Streamed attention over a pinned-host tail: tiles move host→device inside one jitted program.
+"""Streamed attention over a pinned-host tail held as per-tile arrays.
 
-The tail arrives as ``k, v [N,B,tile,K,D]`` in ``pinned_host`` with the tile axis leading, so
-``tail_k[i]`` is one contiguous DMA source (DESIGN.md §4). Each tile is fetched with
-``jax.device_put(tail_k[i], jax.memory.Space.Device)`` — nothing but a slice (and the bitcast
-that drops the unit axis) sits between the host array and the move, so the GPU compiler emits an
-async ``dynamic-slice-start/-done`` instead of host compute — then attended to on the device by
-the caller's ``attend`` and merged exactly by log-sum-exp.
+The tail arrives as a sequence of :class:`Tile` s, each ``k, v [B,tile,K,D]`` (scales
+``[B,tile,K]``) in memory kind ``pinned_host`` and ``pos [B,tile]`` on the device — the layout of
+:class:`rkv.RollingKV` (``kv.tail_tiles``). Each tile is moved to the device whole, attended to by
+the caller's ``attend``, and every partial is merged exactly by log-sum-exp.
 
 The streamed tail costs ``Bt / PCIe`` per step and the device partials ``Bw / HBM``; the model
-time is their max only if the transfers overlap the compute (DESIGN.md §6). A naive jit hid about
-20% of the window time (§5), so the schedules below make the overlap explicit in program order:
-tile ``i + lookahead`` is requested before tile ``i`` is attended to, and the first
-``lookahead`` tiles are requested before the device-resident partials run.
+time is their max only if the transfers overlap the compute (DESIGN.md §6). What the H200 measured
+(jax 0.11.2, bf16, 512K cells, half of them in 8 host tiles of 32K cells, 1 GiB of tail;
+``benchmarks/results/rolling_overlap/``):
 
-Schedules (static):
-- ``"scan"``: a ``lax.fori_loop`` over tiles that carries the ``lookahead`` prefetched tiles in
-  its state (a software pipeline: the body issues fetch ``i + lookahead``, then attends tile
-  ``i``). Program size is independent of ``N``; the loop boundary is where XLA must keep the DMA
-  in flight.
-- ``"unrolled"``: a Python loop, every fetch and attention a separate op in one flat program, the
-  same lookahead order. The latency-hiding scheduler sees every transfer, at the price of a
-  program that grows with ``N``. ``lookahead >= N`` issues every transfer up front (and then holds
-  up to the whole tail in device memory).
+- transfers **inside one jitted program** (the tail as one stacked ``pinned_host`` array,
+  ``device_put(tail[i], Space.Device)`` → XLA async ``dynamic-slice-start/-done``,
+  ``scan_128k_w50.hlo.txt``) do **not** overlap compute: 24.1 ms a step against 21.0 ms for the
+  transfer alone and 0.92 ms for the compute alone (sum 21.9). No XLA flag, lookahead or tile
+  size changed that (``rb_*.json``: ``pipe``, ``hmo``, ``prio``, ``lhs``, ``la2``/``la8``,
+  ``t16k``/``t64k``).
+- **per-tile** ``pinned_host`` arrays moved by plain eager ``jax.device_put`` (PJRT's transfer
+  path, on its own stream), all issued before the window's and each tile's attention run as
+  separate jitted calls, then an exact merge: 21.2 ms ≈ the transfer alone — full overlap
+  (``overlap_probe_h200.json``, ``experiments/overlap_probe.py``: ``eager_put``). A tiny jitted
+  fetch per tile from the stacked array overlapped only partly (23.0 ms, ``eager_fetch``).
+
+Schedules:
+
+- ``"eager"`` (default): a Python-level pipeline of asynchronously dispatched calls. The first
+  ``lookahead`` tiles' ``device_put`` s are issued **before** the resident (window, staging)
+  partials are dispatched, so the device compute runs while they land; then for each tile ``i``
+  the transfer of tile ``i + lookahead`` is issued and tile ``i``'s attention dispatched (one
+  jitted function for every tile: same shapes, compiled once); finally one jitted exact merge of
+  all partials. Nothing here reads a result, so the call returns futures (JAX async dispatch) —
+  with one exception, the flow control of a bounded ``lookahead``: async dispatch lets the Python
+  loop run ahead of the GPU, so issue order alone bounds nothing (every ``device_put`` allocates
+  its device buffer when issued, and a model's next layers would be dispatched, with their tails'
+  transfers, before this one finishes). So before issuing tile ``i + lookahead`` the host waits
+  for tile ``i - 1``'s partial: at most ``lookahead + 1`` tiles are on the device at a time, and
+  while the host waits ``lookahead`` transfers are queued, which keeps the copy engine busy (a
+  tile's attention took under 0.1 ms on the H200 against ~2.6 ms for its 128 MiB transfer). The
+  call returns when the last ``lookahead`` tiles are in flight, so the next call (the next layer)
+  may allocate its first tiles while they drain: about ``2 * (lookahead + 1)`` tiles at the
+  peak. ``lookahead=None`` issues every transfer up front and never waits (the probe's
+  configuration): it holds the layer's whole streamed tail in device memory during the step, and
+  a caller that dispatches several layers ahead holds several layers' tails.
+  Needs concrete arrays: under an outer ``jax.jit`` use ``"unrolled"`` (``rkv.rolling_attention``
+  falls back to it by itself).
+- ``"unrolled"``: one jitted program taking the tiles as arguments; each tile is
+  ``jax.device_put(tile, jax.memory.Space.Device)`` inside the program (on GPU an
+  ``annotate_device_placement`` that XLA's host offloader turns into an async copy), in the same
+  lookahead order. Kept for comparison with the in-jit mechanism that did not overlap, and as the
+  path for callers inside ``jit``. ``lookahead=None`` (or >= N) requests every tile up front.
+
+``"scan"`` (a ``lax.fori_loop`` over a stacked tail) is gone with the stacked tail.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -33,12 +63,18 @@ import jax.numpy as jnp
 
 from rkv.attention import merge_partials
 from rkv import validation
+from rkv.offload import memory
 
-SCHEDULES = ("scan", "unrolled")
+SCHEDULES = ("eager", "unrolled")
+DEFAULT_SCHEDULE = "eager"
+# Tiles requested ahead of the one being attended: 4 keeps ~4 transfers (~10 ms at 32K-cell bf16
+# tiles, K=8, D=128, 48 GB/s) queued behind the copy engine while the host waits, at a device
+# memory cost of lookahead + 1 tiles (640 MiB for those tiles).
+DEFAULT_LOOKAHEAD = 4
 
 
 class Tile(NamedTuple):
-  """A tile on the device: ``k, v [B,tile,K,D]``, ``pos [B,tile]``, scales ``[B,tile,K]`` or None."""
+  """One tile: ``k, v [B,tile,K,D]``, ``pos [B,tile]``, scales ``[B,tile,K]`` or None."""
 
   k: jax.Array
   v: jax.Array
@@ -50,68 +86,80 @@ class Tile(NamedTuple):
 Partial = tuple[jax.Array, jax.Array]  # (o [B,T,H,D], lse [B,T,H])
 
 
-def fetch(tail_k, tail_v, tail_pos, tail_k_scale, tail_v_scale, i) -> Tile:
-  """Moves tile ``i`` (static int or traced scalar) of a host tail to the device."""
-  to_dev = lambda x: None if x is None else jax.device_put(x[i], jax.memory.Space.Device)
-  # Positions already live on the device (4 bytes a cell, 0.1% of a bf16 K/V cell): no transfer.
-  return Tile(to_dev(tail_k), to_dev(tail_v), tail_pos[i], to_dev(tail_k_scale),
-              to_dev(tail_v_scale))
+def check_lookahead(lookahead, where: str):
+  if lookahead is not None and (not isinstance(lookahead, int) or isinstance(lookahead, bool)
+                                or lookahead < 1):
+    raise ValueError(f"{where}: lookahead must be a positive int or None (every tile up front), "
+                     f"got {lookahead!r}")
 
 
-def _merge2(acc: Partial, part: Partial) -> Partial:
-  o, lse = merge_partials(
-      jnp.stack([acc[0], part[0].astype(jnp.float32)]), jnp.stack([acc[1], part[1]]))
-  return o, lse
+def put_eager(tile: Tile, device: jax.Device | None = None) -> Tile:
+  """Issues the host→device transfer of a tile's K/V (and scales): eager ``jax.device_put``, PJRT's
+  async transfer path. Returns at once with device arrays still being written. Positions already
+  live on the device (4 bytes a cell, 0.1% of a bf16 K/V cell): no transfer."""
+  k, v, ks, vs = jax.device_put((tile.k, tile.v, tile.k_scale, tile.v_scale),
+                                memory.sharding(memory.DEVICE, device))
+  return Tile(k, v, tile.pos, ks, vs)
 
 
-def stream_attention(tail: Sequence, attend: Callable[[Tile], Partial], *, n_tiles: int,
-                     schedule: str = "scan", lookahead: int = 1,
-                     resident: Callable[[], list[Partial]] | None = None,
-                     out_shape: tuple[int, ...], out_dtype) -> Partial:
-  """Attention over ``resident()`` partials plus the first ``n_tiles`` tiles of a host tail.
+def put_in_jit(tile: Tile) -> Tile:
+  """The same move inside a jitted program (``Space.Device``: a placement op, async copy on GPU)."""
+  to_dev = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Device)
+  return Tile(to_dev(tile.k), to_dev(tile.v), tile.pos, to_dev(tile.k_scale),
+              to_dev(tile.v_scale))
 
-  ``tail``: ``(k, v, pos, k_scale, v_scale)`` with ``k, v [N,B,tile,K,D]`` host arrays, ``pos
-  [N,B,tile]`` device int32, scales ``[N,B,tile,K]`` host or None. ``attend(tile) -> (o, lse)``
-  computes one device partial. ``resident`` runs after the first transfers are issued, so its
-  device work can hide them. ``out_shape`` is ``o``'s ``[B,T,H,D]``. Returns ``(o, lse)`` with
-  ``o`` in ``out_dtype``; every merge is exact (float32 LSE-weighted).
-  """
-  validation.check_choice("stream_attention", "schedule", schedule, SCHEDULES)
-  if not isinstance(lookahead, int) or lookahead < 1:
-    raise ValueError(f"stream_attention: lookahead must be a positive int, got {lookahead!r}")
-  n_alloc = tail[0].shape[0]
-  if not 0 <= n_tiles <= n_alloc:
-    raise ValueError(f"stream_attention: n_tiles must be in [0, {n_alloc}], got {n_tiles}")
-  depth = min(lookahead, n_tiles)
-  get = lambda i: fetch(*tail, i)
-  queue = [get(i) for i in range(depth)]  # issued before the resident partials on purpose
-  partials = list(resident()) if resident is not None else []
-  if n_tiles:
-    if schedule == "unrolled":
-      for i in range(n_tiles):
-        if i + depth < n_tiles:
-          queue.append(get(i + depth))
-        partials.append(attend(queue.pop(0)))
-    else:
-      b, t, h, d = out_shape
-      acc = (jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, t, h), -jnp.inf, jnp.float32))
 
-      def body(i, carry):
-        pending, acc = carry
-        nxt = get(i + depth)  # the prefetch: requested before tile i's attention
-        acc = _merge2(acc, attend(pending[0]))
-        return tuple(pending[1:]) + (nxt,), acc
-
-      pending, acc = jax.lax.fori_loop(0, n_tiles - depth, body, (tuple(queue), acc))
-      for tile in pending:  # the pipeline's drain: the last `depth` tiles are already here
-        acc = _merge2(acc, attend(tile))
-      partials.append(acc)
-  if not partials:
-    b, t, h, d = out_shape
-    return jnp.zeros(out_shape, out_dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+def merge_all(partials: Sequence[Partial], out_dtype) -> Partial:
+  """Exact float32 LSE merge of partials; ``o`` cast to ``out_dtype``. Traceable (jit it)."""
   if len(partials) == 1:
     return partials[0][0].astype(out_dtype), partials[0][1]
   o = jnp.stack([p[0].astype(jnp.float32) for p in partials])
   lse = jnp.stack([p[1] for p in partials])
   o, lse = merge_partials(o, lse)
   return o.astype(out_dtype), lse
+
+
+# One program per (number of partials, shapes, dtype): recompiled once per flush, like the
+# unrolled program.
+_merge_jit = jax.jit(merge_all, static_argnames="out_dtype")
+
+
+def _wait(partial: Partial) -> None:
+  """Host flow control of the eager schedule (a separate function so tests can watch it)."""
+  jax.block_until_ready(partial)
+
+
+def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *,
+                     schedule: str = DEFAULT_SCHEDULE, lookahead: int | None = DEFAULT_LOOKAHEAD,
+                     resident: Callable[[], list[Partial]] | None = None,
+                     out_shape: tuple[int, ...], out_dtype, device: jax.Device | None = None
+                     ) -> Partial:
+  """Attention over ``resident()`` partials plus every tile of ``tiles`` (see the module docs).
+
+  ``tiles``: the tiles to stream (host K/V and scales, device positions). ``attend(tile) -> (o,
+  lse)`` computes one device partial; for ``"eager"`` pass a jitted function (it is called once
+  per tile with identical shapes), for ``"unrolled"`` call this inside ``jit``. ``resident`` runs
+  after the first ``lookahead`` transfers are issued, so its device work hides them. ``out_shape``
+  is ``o``'s ``[B,T,H,D]``. Returns ``(o, lse)`` with ``o`` in ``out_dtype``; every merge is exact
+  (float32 LSE-weighted). ``device``: where eager transfers go (default: the first device).
+  """
+  validation.check_choice("stream_attention", "schedule", schedule, SCHEDULES)
+  check_lookahead(lookahead, "stream_attention")
+  n = len(tiles)
+  depth = n if lookahead is None else min(lookahead, n)
+  eager = schedule == "eager"
+  put = (lambda t: put_eager(t, device)) if eager else put_in_jit
+  queue = collections.deque(put(tiles[i]) for i in range(depth))  # before the resident partials
+  partials = list(resident()) if resident is not None else []
+  streamed = []
+  for i in range(n):
+    if i + depth < n:
+      if eager and lookahead is not None and i:
+        _wait(streamed[i - 1])  # tile i-1 consumed: at most lookahead + 1 tiles on the device
+      queue.append(put(tiles[i + depth]))
+    streamed.append(attend(queue.popleft()))
+  partials += streamed
+  if not partials:
+    b, t, h, _ = out_shape
+    return jnp.zeros(out_shape, out_dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+  return (_merge_jit if eager else merge_all)(partials, out_dtype=out_dtype)
