@@ -1,9 +1,12 @@
 """Host-tail machinery: memory kinds and placement (:mod:`.memory`), streamed tail attention
-(:mod:`.stream`), and the rolling-cache benchmark library (:mod:`.bench`, imported on demand)."""
+(:mod:`.stream`), the host-CPU attention kernel over the tail (:mod:`.cpu_attention`, built from
+``cpu_kernel.c`` on first use), and the rolling-cache benchmark library (:mod:`.bench`, imported on
+demand)."""
 
 from rkv.offload.memory import (check_host_pool, hlo_report, host_compute_eqns, memory_kind,
                                 placement_report, to_device, to_host)
 from rkv.offload.stream import SCHEDULES, stream_attention
+from rkv.offload.cpu_attention import cpu_attention, cpu_attention_tail
 
-__all__ = ["SCHEDULES", "check_host_pool", "hlo_report", "host_compute_eqns", "memory_kind",
+__all__ = ["SCHEDULES", "check_host_pool", "cpu_attention", "cpu_attention_tail", "hlo_report", "host_compute_eqns", "memory_kind",
            "placement_report", "stream_attention", "to_device", "to_host"]

@@ -1,0 +1,358 @@
+"""The CPU-tail kernel (rkv/offload/cpu_kernel.c via rkv.offload.cpu_attention) against float64 NumPy.
+
+Tolerances: the kernel accumulates in float32 (online softmax, float64 merge of chunk partials),
+so with K/V given in a 16-bit or int8 format the reference is computed on the *same* rounded
+values (and scales), and the only error left is float32 arithmetic: observed < 1e-6 on o and
+lse over these shapes (|err| / (1 + |ref|)), checked at 1e-5 (absolute and relative). Thread counts never change the
+result: the split into work items depends only on the shapes, so those checks are bit-exact.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rkv
+from rkv.offload import cpu_attention as ca
+from rkv.offload import cpu_build
+from tests import numpy_reference as ref
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Max abs/rel error of o and lse per K/V dtype, vs float64 on the same rounded inputs.
+TOL = {"float32": 1e-5, "bfloat16": 1e-5, "float16": 1e-5, "int8": 1e-5}
+
+
+def _data(b, t, h, kh, d, s, dtype="float32", seed=0, q_dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((b, t, h, d)).astype(q_dtype)
+  k = rng.standard_normal((b, s, kh, d)).astype(np.float32)
+  v = rng.standard_normal((b, s, kh, d)).astype(np.float32)
+  ks = vs = None
+  if dtype == "int8":
+    (k, ks), (v, vs) = ref.quantize_int8(k), ref.quantize_int8(v)
+  else:
+    k, v = k.astype(np.dtype(BF16 if dtype == "bfloat16" else dtype)), v.astype(
+        np.dtype(BF16 if dtype == "bfloat16" else dtype))
+  return q, k, v, ks, vs
+
+
+def _check(got, want, dtype="float32"):
+  tol = TOL[dtype]
+  o, lse = got
+  ro, rl = want
+  assert o.dtype == np.float32 and lse.dtype == np.float32
+  assert np.array_equal(np.isneginf(lse), np.isneginf(rl)), "empty rows differ"
+  np.testing.assert_allclose(o, ro, atol=tol, rtol=tol)
+  np.testing.assert_allclose(lse, rl, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("t,g,d", [(1, 1, 64), (1, 4, 80), (1, 8, 128), (4, 4, 64), (4, 1, 128),
+                                   (16, 8, 80), (16, 1, 64), (1, 4, 36), (4, 8, 36)])
+def test_matches_reference(t, g, d):
+  kh, s = 2, 523  # S a multiple of nothing; D=36 exercises the head-dim tail (D % 8 != 0)
+  q, k, v, _, _ = _data(2, t, g * kh, kh, d, s)
+  _check(ca.cpu_attention(q, k, v), ref.attention(q, k, v))
+
+
+@pytest.mark.parametrize("opts", [dict(causal=False), dict(window=37), dict(softcap=3.0),
+                                  dict(window=50, softcap=2.0), dict(causal=False, window=64),
+                                  dict(scale=0.3)])
+@pytest.mark.parametrize("t,g", [(1, 4), (16, 8)])
+def test_options(opts, t, g):
+  q, k, v, _, _ = _data(2, t, 4 * g, 4, 64, 301, "bfloat16", seed=1)
+  rng = np.random.default_rng(2)
+  q_pos = rng.integers(150, 320, (2, t)).astype(np.int32)  # some queries see fewer keys
+  _check(ca.cpu_attention(q, k, v, q_pos=q_pos, **opts),
+         ref.attention(q, k, v, q_pos=q_pos, **opts), "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("t,g", [(1, 4), (4, 4), (16, 8)])
+def test_kv_dtypes(dtype, t, g):
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, 128, 777, dtype, seed=3)
+  _check(ca.cpu_attention(q, k, v, k_scale=ks, v_scale=vs),
+         ref.attention(q, k, v, k_scale=ks, v_scale=vs), dtype)
+
+
+@pytest.mark.parametrize("q_dtype", [BF16, np.float16])
+def test_query_dtypes(q_dtype):
+  q, k, v, _, _ = _data(1, 4, 8, 2, 64, 200, "bfloat16", q_dtype=q_dtype)
+  _check(ca.cpu_attention(q, k, v), ref.attention(q.astype(np.float32), k, v), "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_holes_hold_nan(dtype):
+  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, 400, dtype, seed=4)
+  rng = np.random.default_rng(5)
+  k_pos = np.broadcast_to(np.arange(400, dtype=np.int32), (2, 400)).copy()
+  holes = rng.random((2, 400)) < 0.3
+  holes[:, 100:140] = True  # a whole block of holes
+  k_pos[holes] = -1
+  if dtype == "int8":
+    ks, vs = ks.copy(), vs.copy()
+    ks[holes], vs[holes] = np.nan, np.inf  # garbage scales in empty slots
+  else:
+    k, v = k.copy(), v.copy()
+    k[holes], v[holes] = np.nan, np.inf
+  got = ca.cpu_attention(q, k, v, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
+  with np.errstate(invalid="ignore"):  # the reference multiplies the garbage before masking it
+    want = ref.attention(q, k, v, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  _check(got, want, dtype)
+
+
+def test_fully_masked_rows_are_zero_and_neg_inf():
+  q, k, v, _, _ = _data(3, 4, 8, 2, 64, 300)
+  k_pos = np.broadcast_to(np.arange(300, dtype=np.int32) + 100, (3, 300)).copy()
+  k_pos[2] = -1  # batch row 2: every slot empty
+  q_pos = np.array([[50, 99, 100, 400], [0, 1, 250, 2], [500, 500, 500, 500]], np.int32)
+  o, lse = ca.cpu_attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
+  empty = np.array([[1, 1, 0, 0], [1, 1, 0, 1], [1, 1, 1, 1]], bool)  # q_pos < 100 sees nothing
+  assert np.all(lse[empty] == -np.inf)
+  assert np.all(o[empty] == 0.0)
+  assert np.isfinite(lse[~empty]).all()
+  _check((o, lse), ref.attention(q, k, v, q_pos=q_pos, k_pos=k_pos))
+  # Nothing visible at all, and an empty key axis.
+  o, lse = ca.cpu_attention(q, k, v, q_pos=q_pos, k_pos=np.full((3, 300), -1, np.int32))
+  assert np.all(o == 0.0) and np.all(lse == -np.inf)
+  o, lse = ca.cpu_attention(q, k[:, :0], v[:, :0])
+  assert o.shape == q.shape and np.all(o == 0.0) and np.all(lse == -np.inf)
+
+
+def test_lse_is_natural_log():
+  # q = 0: every logit is 0, so lse = ln(number of visible keys) exactly.
+  _, k, v, _, _ = _data(1, 1, 4, 2, 64, 1000)
+  q = np.zeros((1, 1, 4, 64), np.float32)
+  o, lse = ca.cpu_attention(q, k, v)
+  np.testing.assert_allclose(lse, np.log(1000.0), rtol=1e-6)
+  np.testing.assert_allclose(o[0, 0, 0], v[0, :, 0].mean(0), atol=1e-5)
+
+
+def _tile_major(x, tile):
+  """[B,S,...] -> [N,B,tile,...] (the host tail's layout)."""
+  b, s = x.shape[:2]
+  return np.ascontiguousarray(np.moveaxis(x.reshape((b, s // tile, tile) + x.shape[2:]), 1, 0))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_tile_major_equals_flat(dtype):
+  tile, n = 64, 9
+  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, tile * n, dtype, seed=6)
+  rng = np.random.default_rng(7)
+  k_pos = np.broadcast_to(np.arange(tile * n, dtype=np.int32), (2, tile * n)).copy()
+  k_pos[rng.random(k_pos.shape) < 0.1] = -1
+  flat = ca.cpu_attention(q, k, v, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  tk, tv = _tile_major(k, tile), _tile_major(v, tile)
+  tks = None if ks is None else _tile_major(ks, tile)
+  tvs = None if vs is None else _tile_major(vs, tile)
+  split = lambda x: None if x is None else tuple(x)  # N tiles [B,tile,...]: the cache's layout
+  host = lambda x: None if x is None else tuple(rkv.offload.to_host(t) for t in x)
+  layouts = [(tk, tv, tks, tvs), (split(tk), split(tv), split(tks), split(tvs)),
+             (host(tk), host(tv), host(tks), host(tvs))]  # the last: pinned_host jax tiles
+  for lk, lv, lks, lvs in layouts:
+    # positions flat [B,S], tile-major [N,B,tile] or N tiles [B,tile]
+    for pos in (k_pos, _tile_major(k_pos, tile), tuple(_tile_major(k_pos, tile))):
+      tiled = ca.cpu_attention(q, lk, lv, k_pos=pos, k_scale=lks, v_scale=lvs)
+      np.testing.assert_array_equal(tiled[0], flat[0])
+      np.testing.assert_array_equal(tiled[1], flat[1])
+  # A tile range (the hybrid split) equals attention over those cells.
+  lo, hi = 2, 7
+  part = ca.cpu_attention(q, tk, tv, k_pos=_tile_major(k_pos, tile), k_scale=tks, v_scale=tvs,
+                          tiles=(lo, hi), q_pos=np.full((2, 4), tile * n, np.int32))
+  cells = slice(lo * tile, hi * tile)
+  _check(part, ref.attention(q, k[:, cells], v[:, cells], q_pos=np.full((2, 4), tile * n),
+                             k_pos=k_pos[:, cells],
+                             k_scale=None if ks is None else ks[:, cells],
+                             v_scale=None if vs is None else vs[:, cells]), dtype)
+
+
+def test_strided_views_are_read_in_place():
+  q, k, v, _, _ = _data(2, 1, 8, 4, 64, 300, "bfloat16", seed=8)
+  big = np.concatenate([k, v], axis=2)  # [B,S,2K,D]: k and v are strided views of it
+  got = ca.cpu_attention(q, big[:, :, :4], big[:, :, 4:])
+  _check(got, ref.attention(q, k, v), "bfloat16")
+  assert ca.host_buffer(big[:, :, :4]).ptr == big.ctypes.data  # no copy
+
+
+@pytest.mark.parametrize("t,g,dtype", [(1, 4, "bfloat16"), (16, 8, "int8"), (4, 1, "float32")])
+def test_threads_and_chunks(t, g, dtype):
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, 64, 1500, dtype, seed=9)
+  want = ref.attention(q, k, v, k_scale=ks, v_scale=vs)
+  for chunk in (None, 1, 7, 100):
+    outs = [ca.cpu_attention(q, k, v, k_scale=ks, v_scale=vs, num_threads=nt, chunk=chunk)
+            for nt in (1, 2, 3, 1)]
+    for o, lse in outs[1:]:  # bit-identical for any thread count, and run to run
+      np.testing.assert_array_equal(o, outs[0][0])
+      np.testing.assert_array_equal(lse, outs[0][1])
+    _check(outs[0], want, dtype)  # and within tolerance for every chunking
+
+
+def _cache(dtype, s=1000, w=100, tile=128, seed=10):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((2, s, 2, 64)).astype(np.float32)
+  v = rng.standard_normal((2, s, 2, 64)).astype(np.float32)
+  src = np.dtype(BF16) if dtype == "int8" else np.dtype(BF16 if dtype == "bfloat16" else dtype)
+  return rkv.RollingKV.from_arrays(k.astype(src), v.astype(src), window_cells=w, tile_cells=tile,
+                                   dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8"])
+def test_rolling_tail_in_place(dtype):
+  kv = _cache(dtype)
+  assert rkv.cache.memory_kinds(kv)["tail.k[0]"] == "pinned_host"
+  cells = kv.cells()
+  q = np.random.default_rng(11).standard_normal((2, 1, 8, 64)).astype(np.float32)
+  o, lse = ca.cpu_attention_tail(q, kv)
+  lo, hi = kv.window_cells, kv.window_cells + kv.n_full_tiles * kv.tile_cells
+  sl = slice(lo, hi)
+  sc = lambda x: None if x is None else x[:, sl]
+  q_pos = np.full((2, 1), kv.fill - 1)
+  _check((o, lse), ref.attention(q, cells["k"][:, sl], cells["v"][:, sl], q_pos=q_pos,
+                                 k_pos=cells["pos"][:, sl], k_scale=sc(cells["k_scale"]),
+                                 v_scale=sc(cells["v_scale"])), dtype)
+  # Merged with the device partials (window, staging) it is attention over the whole cache.
+  qj, qpj = jnp.asarray(q), jnp.asarray(q_pos, jnp.int32)
+  parts = [rkv.attention(qj, b.k, b.v, q_pos=qpj, k_pos=b.pos, k_scale=b.k_scale,
+                         v_scale=b.v_scale, impl="reference") for b in (kv.window, kv.staging)]
+  om, lm = rkv.merge(*rkv.merge(*parts[0], *parts[1]), jnp.asarray(o), jnp.asarray(lse))
+  _check((np.asarray(om), np.asarray(lm)),
+         ref.attention(q, cells["k"], cells["v"], q_pos=q_pos, k_pos=cells["pos"],
+                       k_scale=cells["k_scale"], v_scale=cells["v_scale"]), dtype)
+  # A tile range of the tail, and positions handed in by the caller.
+  part = ca.cpu_attention_tail(q, kv, tiles=(1, 3),
+                               tail_pos=tuple(np.asarray(p) for p in kv.tail.pos))
+  sl = slice(lo + kv.tile_cells, lo + 3 * kv.tile_cells)
+  _check(part, ref.attention(q, cells["k"][:, sl], cells["v"][:, sl], q_pos=q_pos,
+                             k_pos=cells["pos"][:, sl], k_scale=sc(cells["k_scale"]),
+                             v_scale=sc(cells["v_scale"])), dtype)
+
+
+def test_rolling_tail_empty_and_appends():
+  kv = rkv.RollingKV.empty(1, 600, 2, 64, window_cells=100, dtype=jnp.bfloat16, tile_cells=64)
+  q = np.random.default_rng(12).standard_normal((1, 1, 4, 64)).astype(np.float32)
+  o, lse = ca.cpu_attention_tail(q, kv)  # no tail yet
+  assert np.all(o == 0.0) and np.all(lse == -np.inf)
+  rng = np.random.default_rng(13)
+  for _ in range(3):  # chunks that flush tiles: the donated tail is read at its new buffer
+    kv = kv.append(rng.standard_normal((1, 150, 2, 64)).astype(BF16),
+                   rng.standard_normal((1, 150, 2, 64)).astype(BF16))
+  cells = kv.cells()
+  lo, hi = kv.window_cells, kv.window_cells + kv.n_full_tiles * kv.tile_cells
+  o, lse = ca.cpu_attention_tail(q, kv)
+  _check((o, lse), ref.attention(q, cells["k"][:, lo:hi], cells["v"][:, lo:hi],
+                                 q_pos=np.full((1, 1), kv.fill - 1),
+                                 k_pos=cells["pos"][:, lo:hi]), "bfloat16")
+
+
+def test_pinned_host_pointer_is_zero_copy_on_cpu():
+  kv = _cache("bfloat16")
+  tile = kv.tail.k[1]
+  info = ca.check_host_pointer(tile)
+  assert info["content_matches"]
+  if jax.default_backend() == "cpu":
+    assert info["zero_copy_numpy"]  # on a GPU this is False: np.asarray copies (docstring)
+  buf = ca.host_buffer(tile)
+  assert buf.ptr == tile.unsafe_buffer_pointer()
+  assert buf.strides == tuple(np.zeros(tile.shape, np.uint8).strides)
+
+
+def test_bad_inputs_name_the_argument():
+  q, k, v, _, _ = _data(2, 1, 8, 2, 64, 100)
+  qi, ki, vi, ks, vs = _data(2, 1, 8, 2, 64, 100, "int8")
+  bad = [
+      (dict(q=q[0]), "q must be rank 4"),
+      (dict(q=q.astype(np.int32)), "q dtype"),
+      (dict(k=k[0]), "k must be rank 4"),
+      (dict(v=v[:, :50]), "v shape"),
+      (dict(v=v.astype(np.float16)), "k dtype float32 must equal v dtype"),
+      (dict(k=k.astype(np.float64), v=v.astype(np.float64)), "k/v dtype"),
+      (dict(q=q[:1]), "k batch"),
+      (dict(q=q[..., :32]), "head dim"),
+      (dict(q=q[:, :, :5]), "multiple of kv heads"),
+      (dict(k=ki, v=vi), "k_scale"),
+      (dict(k=ki, v=vi, k_scale=ks, v_scale=vs[:, :5]), "v_scale must have shape"),
+      (dict(k=ki, v=vi, k_scale=ks.astype(np.int32), v_scale=vs), "k_scale must be a float"),
+      (dict(k_scale=np.ones((2, 100, 2), np.float32), v_scale=np.ones((2, 100, 2), np.float32)),
+       "only valid with int8"),
+      (dict(q_pos=np.zeros((2, 3), np.int32)), "q_pos must have shape"),
+      (dict(k_pos=np.zeros((2, 99), np.int32)), "k_pos must have shape"),
+      (dict(k_pos=np.zeros((2, 100), np.float32)), "k_pos must be an integer"),
+      (dict(window=0), "window"),
+      (dict(window=2.5), "window"),
+      (dict(softcap=-1.0), "softcap"),
+      (dict(scale=0.0), "scale"),
+      (dict(num_threads=0), "num_threads"),
+      (dict(chunk=-3), "chunk"),
+      (dict(tiles=(0, 1)), "tiles is only valid"),
+  ]
+  for kw, msg in bad:
+    args = dict(q=q, k=k, v=v)
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+      ca.cpu_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+  tk, tv = _tile_major(k, 50), _tile_major(v, 50)
+  for tiles in ((0, 3), (2, 1), (-1, 1), 1, (0.0, 1)):
+    with pytest.raises(ValueError, match="tiles must be"):
+      ca.cpu_attention(q, tk, tv, tiles=tiles)
+  with pytest.raises(ValueError, match=r"k_pos must be 2 tiles"):
+    ca.cpu_attention(q, tuple(tk), tuple(tv), k_pos=(np.zeros((2, 50), np.int32),))
+  with pytest.raises(ValueError, match=r"k_pos\[1\] must have shape"):
+    ca.cpu_attention(q, tuple(tk), tuple(tv),
+                     k_pos=(np.zeros((2, 50), np.int32), np.zeros((2, 49), np.int32)))
+  with pytest.raises(ValueError, match=r"v\[1\] must have shape"):
+    ca.cpu_attention(q, tuple(tk), (tv[0], tv[1][:, :10]))
+  with pytest.raises(ValueError, match="k must hold at least one tile"):
+    ca.cpu_attention(q, (), ())
+  kv = _cache("bfloat16")
+  with pytest.raises(ValueError, match="kv must be a rkv.RollingKV"):
+    ca.cpu_attention_tail(q, "cache")
+  gone = jax.device_put(np.zeros((2, 100, 2, 64), np.float32))
+  gone.delete()
+  with pytest.raises(ValueError, match="k was deleted or donated"):
+    ca.cpu_attention(q, gone, v)
+  del kv
+
+
+def test_build_entry_point_and_prebuilt_library(tmp_path, monkeypatch):
+  out = tmp_path / "prebuilt"
+  proc = subprocess.run([sys.executable, "-m", "rkv.offload.cpu_build", "--out", str(out)],
+                        capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr
+  so = out / cpu_build.LIB_NAME
+  assert so.is_file() and f"{cpu_build.SO_ENV}=" in proc.stdout
+  monkeypatch.setenv(cpu_build.SO_ENV, str(so))
+  assert cpu_build.library_path() == str(so)
+  assert ctypes.CDLL(str(so)).rkv_cpu_kernel_abi_version() == cpu_build.ABI_VERSION
+  q, k, v, _, _ = _data(1, 1, 4, 2, 64, 100)
+  _check(ca.cpu_attention(q, k, v), ref.attention(q, k, v))  # through the prebuilt library
+  monkeypatch.setenv(cpu_build.SO_ENV, str(tmp_path / "missing.so"))
+  with pytest.raises(ValueError, match=cpu_build.SO_ENV):
+    cpu_build.library_path()
+
+
+def test_loading_sets_a_passive_openmp_wait_policy():
+  ca.max_threads()  # loads the library
+  # Spinning OpenMP workers stalled calls on a busy host (cpu_build._load); a user setting wins.
+  assert os.environ.get(cpu_build.WAIT_POLICY_ENV)
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+  monkeypatch.setenv("CC", "no-such-compiler-rkv")
+  monkeypatch.setenv("PATH", "")
+  with pytest.raises(cpu_build.CompilerNotFoundError, match="RKV_CPU_KERNEL_SO"):
+    cpu_build.find_compiler()
+
+
+def test_probes_run():
+  # Probes for the planner; timing is the benchmark scripts' job, here they only have to run.
+  assert ca.measure_host_read_bandwidth(1 << 22, repeats=1) > 0
+  for dtype in ("bfloat16", "int8"):
+    assert ca.measure_cpu_attention(2048, num_kv_heads=2, head_dim=64, dtype=dtype, repeats=1,
+                                    tile_cells=512) > 0
