@@ -6,7 +6,7 @@ demand)."""
 from rkv.offload.memory import (check_host_pool, hlo_report, host_compute_eqns, memory_kind,
                                 placement_report, to_device, to_host)
 from rkv.offload.stream import SCHEDULES, stream_attention
-from rkv.offload.cpu_attention import cpu_attention, cpu_attention_tail
+from rkv.offload import cpu_attention  # the module: cpu_attention.cpu_attention(...), ...tail(...)
 
-__all__ = ["SCHEDULES", "check_host_pool", "cpu_attention", "cpu_attention_tail", "hlo_report", "host_compute_eqns", "memory_kind",
+__all__ = ["SCHEDULES", "check_host_pool", "cpu_attention", "hlo_report", "host_compute_eqns", "memory_kind",
            "placement_report", "stream_attention", "to_device", "to_host"]
