@@ -20,11 +20,34 @@ Schedules (:mod:`rkv.offload.stream` has the H200 measurements behind them):
 Under an outer ``jax.jit`` (the cache's arrays or the query are tracers) the eager schedule cannot
 run — it is a Python loop of dispatches over concrete arrays — so ``rolling_attention`` falls back
 to ``"unrolled"``, which gives the same result.
+
+Tactics (``TACTICS``; the planner, :mod:`rkv.residency`, picks one per layer — ``"auto"`` here
+does **not** consult a profile: it is ``"stream"`` for a :class:`rkv.RollingKV` and ``"head"`` for
+a :class:`rkv.head_split.HeadSplitKV`):
+
+- ``"stream"``: the tail's full tiles are streamed to the device (the schedules above).
+- ``"cpu"``: the tail's full tiles are attended on the host, where they live, by the C kernel
+  :func:`rkv.offload.cpu_attention.cpu_attention_tail` (reads the ``pinned_host`` tiles in place;
+  only ``q`` comes down to the host). The kernel runs in a worker thread (it releases the GIL and
+  is itself multi-threaded) started **before** the device partials (window, staging) are
+  dispatched, so host and device work overlap; its float32 ``(o, lse)`` then goes to the device
+  and merges exactly with the device partials. Needs concrete arrays: under an outer ``jax.jit``
+  it raises ``ValueError``.
+- ``"hybrid"``: the last ``floor(cpu_fraction * n + 0.5)`` full tiles go to the CPU kernel
+  (``tiles=(start, n)``), the first ones stream through the schedule, both at once; exact merge.
+  ``cpu_fraction`` (default 0.5) is the share attended on the CPU, i.e. ``1 -`` the planner's
+  ``hybrid_fraction`` (the share streamed). Eager-only like ``"cpu"``.
+- ``"head"``: a :class:`~rkv.head_split.HeadSplitKV` (the first R KV heads resident, the rest
+  rolled): each part is attended with its query heads (``"stream"`` for the rolled part) and
+  ``o``, ``lse`` are concatenated along the heads. Traceable.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +55,14 @@ import jax.numpy as jnp
 from rkv.attention import IMPLS, attention
 from rkv import cache as cache_lib
 from rkv import validation
+from rkv.head_split import HeadSplitKV
+from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import stream
 
-# "cpu" and "hybrid" (attend to the tail on the host, or split it) arrive with the CPU-tail
-# kernel; until then "auto" is "stream".
-TACTICS = ("auto", "stream")
+# "auto": "stream" for a RollingKV, "head" for a HeadSplitKV (no profile is consulted here: the
+# planner, rkv.residency, names each layer's tactic).
+TACTICS = ("auto", "stream", "cpu", "hybrid", "head")
+DEFAULT_CPU_FRACTION = 0.5
 SCHEDULES = stream.SCHEDULES
 DEFAULT_SCHEDULE = stream.DEFAULT_SCHEDULE
 DEFAULT_LOOKAHEAD = stream.DEFAULT_LOOKAHEAD
@@ -58,7 +84,7 @@ def _tiles(kv: cache_lib.RollingKV, n: int) -> tuple[stream.Tile, ...]:
 
 
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
-            window, softcap, scale, impl, schedule, lookahead, partial_fn):
+            window, softcap, scale, impl, schedule, lookahead, partial_fn, out_dtype=None):
   kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl)
   # Tiles, not KVBlocks: the staging partial then reuses the tile program (same pytree, shapes).
   as_tile = lambda b: stream.Tile(b.k, b.v, b.pos, b.k_scale, b.v_scale)
@@ -74,17 +100,19 @@ def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_sta
 
   return stream.stream_attention(tiles, lambda tile: partial_fn(q, q_pos, tile, **kw),
                                  schedule=schedule, lookahead=lookahead, resident=resident,
-                                 out_shape=q.shape, out_dtype=q.dtype)
+                                 out_shape=q.shape,
+                                 out_dtype=q.dtype if out_dtype is None else out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "use_window", "use_staging", "causal", "window", "softcap", "scale", "impl", "lookahead"))
+    "use_window", "use_staging", "causal", "window", "softcap", "scale", "impl", "lookahead",
+    "out_dtype"))
 def _unrolled(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
-              window, softcap, scale, impl, lookahead):
+              window, softcap, scale, impl, lookahead, out_dtype=None):
   return _stream(q, q_pos, window_block, staging_block, tiles, use_window=use_window,
                  use_staging=use_staging, causal=causal, window=window, softcap=softcap,
                  scale=scale, impl=impl, schedule="unrolled", lookahead=lookahead,
-                 partial_fn=_partial)
+                 partial_fn=_partial, out_dtype=out_dtype)
 
 
 def _tracing(*trees) -> bool:
@@ -97,6 +125,9 @@ def _resolve(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, sche
   if not isinstance(kv, cache_lib.RollingKV):
     raise ValueError(f"{where}: kv must be a rkv.RollingKV, got {type(kv).__name__}")
   validation.check_choice(where, "tactic", tactic, TACTICS)
+  if tactic == "head":
+    raise ValueError(f"{where}: tactic='head' needs kv to be a rkv.head_split.HeadSplitKV "
+                     f"(some KV heads resident, the others rolled), got a RollingKV")
   validation.check_choice(where, "schedule", schedule, SCHEDULES)
   validation.check_choice(where, "impl", impl, IMPLS)
   stream.check_lookahead(lookahead, where)
@@ -113,14 +144,77 @@ def _resolve(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, sche
   return args.q_pos, static
 
 
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+  """The worker threads of the CPU tail kernel (it releases the GIL and spreads over the cores
+  itself with OpenMP; a second worker lets another caller's layer queue without blocking)."""
+  global _EXECUTOR
+  with _EXECUTOR_LOCK:
+    if _EXECUTOR is None:
+      _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                        thread_name_prefix="rkv-cpu-tail")
+    return _EXECUTOR
+
+
+def _check_fraction(cpu_fraction, tactic, where):
+  if cpu_fraction is None:
+    return DEFAULT_CPU_FRACTION if tactic == "hybrid" else None
+  if tactic != "hybrid":
+    raise ValueError(f"{where}: cpu_fraction is only valid with tactic='hybrid', got "
+                     f"tactic={tactic!r}")
+  if (isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float))
+      or not 0.0 <= float(cpu_fraction) <= 1.0):
+    raise ValueError(f"{where}: cpu_fraction must be a number in [0, 1] (the share of the tail's "
+                     f"tiles attended on the CPU), got {cpu_fraction!r}")
+  return float(cpu_fraction)
+
+
+def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):
+  """The ``head`` tactic: each part with its query heads, concatenated along H."""
+  if tactic not in ("auto", "head"):
+    raise ValueError(f"{where}: a HeadSplitKV is served by tactic='head' (or 'auto'), got "
+                     f"tactic={tactic!r}")
+  if jnp.ndim(q) != 4:
+    raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {jnp.shape(q)}")
+  h, kh, r = jnp.shape(q)[2], kv.num_kv_heads, kv.resident_heads
+  if h % kh:
+    raise ValueError(f"{where}: q heads H={h} must be a multiple of kv heads K={kh}")
+  g = h // kh
+  if q_pos is None:
+    b, t = jnp.shape(q)[:2]
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (kv.fill - t), (b, t))
+  outs = []
+  if kv.resident is not None:
+    outs.append(rolling_attention(q[:, :, :r * g], kv.resident, q_pos=q_pos, tactic="stream",
+                                  **kw))
+  if kv.rolled is not None:
+    outs.append(rolling_attention(q[:, :, r * g:], kv.rolled, q_pos=q_pos, tactic="stream",
+                                  **kw))
+  if len(outs) == 1:
+    return outs[0]
+  return (jnp.concatenate([o for o, _ in outs], axis=2),
+          jnp.concatenate([lse for _, lse in outs], axis=2))
+
+
 def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,
                       tactic="auto", impl="auto", schedule=DEFAULT_SCHEDULE,
-                      lookahead=DEFAULT_LOOKAHEAD):
+                      lookahead=DEFAULT_LOOKAHEAD, cpu_fraction=None, cpu_threads=None):
   """Exact attention of ``q [B,T,H,D]`` over every cell of ``kv``; returns ``(o, lse)``.
 
   Same semantics as :func:`rkv.attention` (DESIGN.md §3) over the cache's cells and positions;
   ``q_pos [B,T]`` defaults to the last T cells (``fill - T + arange(T)``).
-  ``tactic``: one of ``TACTICS`` (``"auto"`` = ``"stream"``). ``impl``: the backend of every
+  ``kv``: a :class:`rkv.RollingKV`, or a :class:`rkv.head_split.HeadSplitKV` (tactic ``"head"``).
+  ``tactic``: one of ``TACTICS`` (see the module docstring): ``"auto"`` is ``"stream"`` for a
+  RollingKV and ``"head"`` for a HeadSplitKV — it does not consult a profile (the planner,
+  :mod:`rkv.residency`, names each layer's tactic); ``"cpu"`` attends to the tail's full tiles on
+  the host CPU concurrently with the device partials; ``"hybrid"`` sends the last
+  ``floor(cpu_fraction * n_full_tiles + 0.5)`` tiles to the CPU and streams the others, concurrently.
+  ``"cpu"`` and ``"hybrid"`` need concrete arrays (``ValueError`` under an outer ``jax.jit``).
+  ``cpu_fraction``: ``"hybrid"`` only, in [0, 1], default 0.5. ``cpu_threads``: the CPU kernel's
+  threads (default: OpenMP's). ``impl``: the backend of every
   device partial (``"pallas"`` on GPU via ``"auto"``). ``schedule``: ``"eager"`` (default;
   per-tile eager transfers overlapping separately dispatched partials) or ``"unrolled"`` (one
   jitted program); under an outer ``jax.jit`` ``"eager"`` falls back to ``"unrolled"``.
@@ -130,19 +224,69 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   never waits, at the cost of the whole streamed tail in device memory during the call. See
   :mod:`rkv.offload.stream`.
   """
+  where = "rolling_attention"
+  common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
+                schedule=schedule, lookahead=lookahead)
+  if isinstance(kv, HeadSplitKV):
+    if cpu_fraction is not None or cpu_threads is not None:
+      raise ValueError(f"{where}: cpu_fraction/cpu_threads are not valid with a HeadSplitKV "
+                       f"(tactic='head' streams the rolled heads)")
+    return _head_attention(q, kv, q_pos=q_pos, tactic=tactic, where=where, **common)
   q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
                            scale=scale, tactic=tactic, impl=impl, schedule=schedule,
-                           lookahead=lookahead, where="rolling_attention")
+                           lookahead=lookahead, where=where)
+  cpu_fraction = _check_fraction(cpu_fraction, tactic, where)
+  if tactic == "cpu":
+    cpu_fraction = 1.0
+  if cpu_threads is not None and tactic not in ("cpu", "hybrid"):
+    raise ValueError(f"{where}: cpu_threads is only valid with tactic='cpu' or 'hybrid', got "
+                     f"tactic={tactic!r}")
   n_tiles = kv.n_full_tiles
+  if tactic in ("cpu", "hybrid") and _tracing(q, q_pos, kv):
+    raise ValueError(f"{where}: tactic={tactic!r} runs the tail's attention on the host CPU over "
+                     f"concrete arrays and cannot run under jax.jit (q, q_pos or the cache are "
+                     f"tracers); use tactic='stream' inside jit")
   if not n_tiles and not static["use_staging"] and static["use_window"]:
     # The resident path: nothing lives off the window, so this is exactly rkv.attention.
     return _partial(q, q_pos, kv.window, impl=impl, causal=causal, window=window,
                     softcap=softcap, scale=static["scale"])
+  n_cpu = 0 if cpu_fraction is None else math.floor(cpu_fraction * n_tiles + 0.5)  # half up
+  if n_cpu:
+    return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_tiles - n_cpu, schedule=schedule,
+                          cpu_threads=cpu_threads)
   tiles = _tiles(kv, n_tiles)
   if schedule == "eager" and not _tracing(q, q_pos, kv):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
                    partial_fn=_partial_jit, **static)
   return _unrolled(q, q_pos, kv.window, kv.staging, tiles, **static)
+
+
+def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads):
+  """Tiles ``[n_stream, n_full_tiles)`` on the host CPU (worker thread, started first), the
+  window, staging and tiles ``[0, n_stream)`` on the device meanwhile; one exact merge."""
+  n_tiles = kv.n_full_tiles
+  # The kernel starts at once: it copies q (and q_pos) down itself (np.asarray: a small device →
+  # host copy), and reads the tail tiles in place; the GIL is released while it runs.
+  future = _executor().submit(
+      cpu_lib.cpu_attention_tail, q, kv, q_pos=q_pos, causal=static["causal"],
+      window=static["window"], softcap=static["softcap"], scale=static["scale"],
+      num_threads=cpu_threads, tiles=(n_stream, n_tiles))
+  device = None
+  try:
+    if n_stream or static["use_window"] or static["use_staging"]:
+      tiles = _tiles(kv, n_stream)
+      if schedule == "eager":
+        device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
+                         partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+      else:
+        device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
+                           **static)
+  finally:
+    o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
+  dev = q.devices().pop() if isinstance(q, jax.Array) else None
+  cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
+  parts = [cpu_part] if device is None else [device, cpu_part]
+  return stream._merge_jit(parts, out_dtype=q.dtype)
 
 
 def lower(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,
@@ -154,6 +298,9 @@ def lower(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=No
   (e.g. ``("cuda",)``) lowers for another backend without compiling: on a CPU-only machine it
   shows the GPU program's placement ops (``rkv.offload.memory.placement_report``). The eager
   schedule is a sequence of programs and has no single lowering: ``schedule="eager"`` is refused."""
+  if tactic not in ("auto", "stream"):
+    raise ValueError(f"rolling.lower: tactic={tactic!r} has no single lowering (only 'stream' "
+                     f"is one jitted program)")
   if schedule == "eager":
     raise ValueError("rolling.lower: schedule='eager' dispatches one program per partial and has "
                      "no single lowering; lower schedule='unrolled'")

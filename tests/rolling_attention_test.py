@@ -361,7 +361,7 @@ def test_pallas_partials_match():
 
 
 BAD = [
-    ("tactic", dict(tactic="cpu")),
+    ("tactic", dict(tactic="gpu")),
     ("schedule", dict(schedule="pipelined")),
     ("schedule", dict(schedule="scan")),  # gone with the stacked tail
     ("lookahead", dict(lookahead=0)),
@@ -381,8 +381,8 @@ def test_bad_arguments_name_themselves(name, kw):
 
 def test_bad_tactic_lists_the_valid_ones():
   kv = rkv.RollingKV.empty(1, 40, 2, 16, window_cells=8, dtype=jnp.float32, tile_cells=8)
-  with pytest.raises(ValueError, match=r"\('auto', 'stream'\)"):
-    rkv.rolling_attention(jnp.ones((1, 1, 4, 16)), kv, tactic="hybrid")
+  with pytest.raises(ValueError, match=r"\('auto', 'stream', 'cpu', 'hybrid', 'head'\)"):
+    rkv.rolling_attention(jnp.ones((1, 1, 4, 16)), kv, tactic="gpu")
 
 
 def test_query_shape_mismatch():

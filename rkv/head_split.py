@@ -1,0 +1,118 @@
+"""``HeadSplitKV``: the ``head`` tail tactic's cache (DESIGN.md §6).
+
+The first R KV heads are fully resident on the device (a :class:`rkv.RollingKV` whose window is
+its whole capacity: no tail, no staging); the other ``K - R`` KV heads roll (window W, staging,
+pinned_host tail). ``rkv.rolling_attention(q, kv, tactic="head")`` (or ``"auto"``) attends to
+each part with its own heads of ``q`` (query head h uses KV head ``h // G``: the first ``R * G``
+query heads go with the resident part) and concatenates ``o`` and ``lse`` along the head axis:
+attention is independent per head, so the result equals attention over the whole cache.
+
+``R == 0`` or ``R == K`` leaves one part empty: it is stored as ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from rkv import cache as cache_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplitKV:
+  """``resident``: the first ``resident_heads`` KV heads (window = capacity) or None (R = 0);
+  ``rolled``: the remaining KV heads (window W + tail) or None (R = K). Static:
+  ``resident_heads`` R and ``num_kv_heads`` K."""
+
+  resident: cache_lib.RollingKV | None
+  rolled: cache_lib.RollingKV | None
+  resident_heads: int
+  num_kv_heads: int
+
+  def __repr__(self):
+    return (f"HeadSplitKV(R={self.resident_heads}/{self.num_kv_heads}, resident={self.resident!r}, "
+            f"rolled={self.rolled!r})")
+
+  @property
+  def parts(self) -> tuple[cache_lib.RollingKV, ...]:
+    return tuple(p for p in (self.resident, self.rolled) if p is not None)
+
+  @property
+  def fill(self) -> int:
+    return self.parts[0].fill
+
+  @property
+  def capacity(self) -> int:
+    return self.parts[0].capacity
+
+  @property
+  def batch(self) -> int:
+    return self.parts[0].batch
+
+  @property
+  def head_dim(self) -> int:
+    return self.parts[0].head_dim
+
+  @property
+  def dtype(self):
+    return self.parts[0].dtype
+
+  @classmethod
+  def from_arrays(cls, k, v, *, resident_heads: int, window_cells: int, k_pos=None,
+                  k_scale=None, v_scale=None, capacity: int | None = None,
+                  tile_cells: int = cache_lib.DEFAULT_TILE_CELLS, dtype=None) -> "HeadSplitKV":
+    """A head-split cache of ``k, v [B,S,K,D]``: KV heads ``[0, R)`` resident (window =
+    ``capacity``, default S), heads ``[R, K)`` rolled with ``window_cells`` W on the device and
+    the rest in the host tail (``tile_cells`` per tile). Other arguments: as
+    :meth:`rkv.RollingKV.from_arrays` (scales ``[B,S,K]`` are split by head too)."""
+    where = "HeadSplitKV.from_arrays"
+    shape = np.shape(k)
+    if len(shape) != 4:
+      raise ValueError(f"{where}: k must be rank 4 ([B,S,K,D]), got shape {shape}")
+    kh = shape[2]
+    r = _check_heads(resident_heads, kh, where)
+    cap = shape[1] if capacity is None else capacity
+    take = lambda x, lo, hi: None if x is None else x[:, :, lo:hi]
+    kw = dict(k_pos=k_pos, capacity=capacity, tile_cells=tile_cells, dtype=dtype)
+    resident = rolled = None
+    if r:
+      resident = cache_lib.RollingKV.from_arrays(
+          take(k, 0, r), take(v, 0, r), window_cells=cap, k_scale=take(k_scale, 0, r),
+          v_scale=take(v_scale, 0, r), **kw)
+    if r < kh:
+      rolled = cache_lib.RollingKV.from_arrays(
+          take(k, r, kh), take(v, r, kh), window_cells=window_cells,
+          k_scale=take(k_scale, r, kh), v_scale=take(v_scale, r, kh), **kw)
+    return cls(resident=resident, rolled=rolled, resident_heads=r, num_kv_heads=kh)
+
+  def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "HeadSplitKV":
+    """Appends ``k, v [B,T,K,D]`` (split by KV head between the parts); returns the new cache.
+    Donation as :func:`rkv.cache.append`: use the returned cache."""
+    shape = np.shape(k)
+    if len(shape) != 4 or shape[2] != self.num_kv_heads:
+      raise ValueError(f"HeadSplitKV.append: k must be [B,T,K={self.num_kv_heads},D], got shape "
+                       f"{shape}")
+    r, kh = self.resident_heads, self.num_kv_heads
+    take = lambda x, lo, hi: None if x is None else x[:, :, lo:hi]
+    resident, rolled = self.resident, self.rolled
+    if resident is not None:
+      resident = resident.append(take(k, 0, r), take(v, 0, r), pos,
+                                 k_scale=take(k_scale, 0, r), v_scale=take(v_scale, 0, r))
+    if rolled is not None:
+      rolled = rolled.append(take(k, r, kh), take(v, r, kh), pos,
+                             k_scale=take(k_scale, r, kh), v_scale=take(v_scale, r, kh))
+    return dataclasses.replace(self, resident=resident, rolled=rolled)
+
+
+jax.tree_util.register_dataclass(HeadSplitKV, data_fields=["resident", "rolled"],
+                                 meta_fields=["resident_heads", "num_kv_heads"])
+
+
+def _check_heads(resident_heads, num_kv_heads: int, where: str) -> int:
+  if (not isinstance(resident_heads, (int, np.integer)) or isinstance(resident_heads, bool)
+      or not 0 <= resident_heads <= num_kv_heads):
+    raise ValueError(f"{where}: resident_heads must be an int in [0, K={num_kv_heads}], got "
+                     f"{resident_heads!r}")
+  return int(resident_heads)

@@ -1,0 +1,277 @@
+"""The exact tail tactics of ``rkv.rolling_attention`` equal resident attention.
+
+``"cpu"`` (the tail's tiles attended by the host C kernel in a worker thread, merged on the
+device), ``"hybrid"`` (the last ``cpu_fraction`` of the tiles on the CPU, the others streamed) and
+``"head"`` (a ``HeadSplitKV``: the first R KV heads resident, the rest rolled) are compared with
+``rkv.attention(..., impl="reference")`` over the whole arrays at the suite's named tolerances
+(``tests/attention_test.py`` TOLERANCES), for fresh caches and for caches grown by appends across
+flushes; bad tactic/kv combinations and arguments raise ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkv
+from rkv import rolling
+from rkv.head_split import HeadSplitKV
+from rkv.offload import cpu_attention as cpu_lib
+from tests.attention_test import TOLERANCES
+from tests.rolling_attention_test import Case, assert_kinds, make
+
+K2 = dict(h=8, k=2)  # GQA 4
+CASES = [
+    Case("w0_all_tail_gqa4", window_cells=0, **K2),
+    Case("w_between_tail_not_tile_multiple_gqa4", **K2),
+    Case("decode_softcap_gqa4", softcap=5.0, **K2),
+    Case("chunk5_explicit_q_pos_gqa4", t=5, positions="chunk", **K2),
+    Case("sliding_window_chunk", window=23, t=3),
+    Case("holes_nan", t=2, positions="holes"),
+    Case("int8", t=2, kv_dtype="int8"),
+    Case("bf16_gqa4", dtype="bfloat16", **K2),
+    Case("bf16_chunk5", dtype="bfloat16", t=5, positions="chunk"),
+    Case("w_capacity_resident", window_cells=75),
+    Case("tail_smaller_than_tile", s=30, window_cells=20),
+]
+# (tactic, extra kwargs, resident_heads for "head")
+TACTIC_CONFIGS = [
+    ("cpu", {}, None),
+    ("hybrid", dict(cpu_fraction=0.0), None),
+    ("hybrid", dict(cpu_fraction=0.5), None),
+    ("hybrid", dict(cpu_fraction=1.0), None),
+    ("head", {}, 0),
+    ("head", {}, 1),
+    ("head", {}, 2),  # R = K
+]
+# ("stream" is rolling_attention_test.py's matrix.)
+CONFIG_IDS = [f"{t}{'_' + str(kw['cpu_fraction']) if kw else ''}"
+              f"{'' if r is None else f'_R{r}'}" for t, kw, r in TACTIC_CONFIGS]
+
+
+def assert_close(dtype, o, lse, o_ref, lse_ref):
+  tol = TOLERANCES[dtype]
+  o = np.asarray(jnp.asarray(o, jnp.float32))
+  lse = np.asarray(lse)
+  o_ref = np.asarray(jnp.asarray(o_ref, jnp.float32))
+  lse_ref = np.asarray(lse_ref)
+  assert not np.isnan(o).any() and not np.isnan(lse).any()
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+  np.testing.assert_allclose(o, o_ref, atol=tol["o"][0], rtol=tol["o"][1])
+  finite = ~np.isneginf(lse_ref)
+  np.testing.assert_allclose(lse[finite], lse_ref[finite], atol=tol["lse"][0], rtol=tol["lse"][1])
+
+
+def build(tactic, r, k, v, *, window_cells, tile, k_pos=None, k_scale=None, v_scale=None,
+          capacity=None):
+  kw = dict(window_cells=window_cells, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+            tile_cells=tile, capacity=capacity)
+  if tactic == "head":
+    return HeadSplitKV.from_arrays(k, v, resident_heads=r, **kw)
+  return rkv.RollingKV.from_arrays(k, v, **kw)
+
+
+def check_kinds(kv):
+  for part in (kv.parts if isinstance(kv, HeadSplitKV) else (kv,)):
+    assert_kinds(part)
+
+
+@pytest.mark.parametrize("config", TACTIC_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tactic_equals_resident(case, config):
+  tactic, extra, r = config
+  q, k, v, q_pos, k_pos, k_scale, v_scale = make(case)
+  kv = build(tactic, r, k, v, window_cells=case.window_cells, tile=case.tile, k_pos=k_pos,
+             k_scale=k_scale, v_scale=v_scale)
+  check_kinds(kv)
+  kw = dict(q_pos=q_pos, causal=case.causal, window=case.window, softcap=case.softcap)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", **extra, **kw)
+  assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == jnp.float32
+  ref = rkv.attention(q, k, v, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale, impl="reference",
+                      **kw)
+  assert_close(case.dtype, o, lse, *ref)
+  check_kinds(kv)  # attention never moved the cache
+
+
+@pytest.mark.parametrize("tactic,extra", [("cpu", {}), ("hybrid", dict(cpu_fraction=0.5))])
+def test_cpu_tactics_unrolled_schedule(tactic, extra):
+  case = Case("unrolled", s=90, window_cells=10, t=2, **K2)
+  q, k, v, *_ = make(case, seed=1)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", schedule="unrolled",
+                                 lookahead=1, **extra)
+  assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
+
+
+@pytest.mark.parametrize("fraction,want", [(0.0, 0), (0.2, 1), (0.5, 3), (None, 3), (0.7, 4), (0.09, 0), (1.0, 5)])
+def test_hybrid_split_goes_to_last_tiles(monkeypatch, fraction, want):
+  case = Case("split", s=90, window_cells=10, **K2)  # 5 full tiles of 16
+  q, k, v, *_ = make(case, seed=3)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  assert kv.n_full_tiles == 5
+  calls = []
+  real = cpu_lib.cpu_attention_tail
+
+  def spy(*a, **kw):
+    calls.append((kw["tiles"], threading.current_thread().name))
+    return real(*a, **kw)
+
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail", spy)
+  extra = {} if fraction is None else dict(cpu_fraction=fraction)  # None: the default, 0.5
+  o, lse = rkv.rolling_attention(q, kv, tactic="hybrid", impl="xla", **extra)
+  assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
+  if want == 0:
+    assert calls == []
+  else:
+    # the CPU kernel runs in the worker thread, over the last `want` tiles
+    assert calls == [((5 - want, 5), calls[0][1])]
+    assert calls[0][1].startswith("rkv-cpu-tail") and calls[0][1] != threading.main_thread().name
+
+
+def test_cpu_kernel_overlaps_device_partials(monkeypatch):
+  # The kernel is submitted before the device partials are dispatched: when the first device
+  # partial is dispatched the CPU call has already been started.
+  case = Case("overlap", s=95, window_cells=10, **K2)  # 5 tiles + 5 staged
+  q, k, v, *_ = make(case, seed=4)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  events = []
+  started = threading.Event()
+  real_cpu, real_partial = cpu_lib.cpu_attention_tail, rolling._partial_jit
+
+  def cpu_spy(*a, **kw):
+    started.set()
+    events.append("cpu")
+    return real_cpu(*a, **kw)
+
+  def partial_spy(*a, **kw):
+    started.wait(10)
+    events.append("device")
+    return real_partial(*a, **kw)
+
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail", cpu_spy)
+  monkeypatch.setattr(rolling, "_partial_jit", partial_spy)
+  o, lse = rkv.rolling_attention(q, kv, tactic="hybrid", cpu_fraction=0.4, impl="xla")
+  assert events[0] == "cpu" and events.count("device") == 1 + 3 + 1  # window, 3 tiles, staging
+  assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
+
+
+@pytest.mark.parametrize("config", TACTIC_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_appends_across_flushes(config, kv_dtype):
+  tactic, extra, r = config
+  rng = np.random.default_rng(5)
+  b, kh, h, d, cap = 1, 2, 8, 16, 120
+  total = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  vals = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  ks = vs = None
+  if kv_dtype == "int8":
+    total, ks = rkv.cache.quantize_int8(total)
+    vals, vs = rkv.cache.quantize_int8(vals)
+    total, vals, ks, vs = map(np.asarray, (total, vals, ks, vs))
+  s0 = 30
+  sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]
+  kv = build(tactic, r, total[:, :s0], vals[:, :s0], window_cells=12, tile=8,
+             k_scale=sl(ks, 0, s0), v_scale=sl(vs, 0, s0), capacity=cap)
+  fill = s0
+  for t in (1, 11, 1, 1, 16, 5, 1):  # single tokens, chunks crossing and skipping staging
+    kv = kv.append(total[:, fill:fill + t], vals[:, fill:fill + t], k_scale=sl(ks, fill, fill + t),
+                   v_scale=sl(vs, fill, fill + t))
+    fill += t
+    assert kv.fill == fill
+    check_kinds(kv)
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", **extra)
+    ref = rkv.attention(q, jnp.asarray(total[:, :fill]), jnp.asarray(vals[:, :fill]),
+                        k_scale=sl(ks, 0, fill), v_scale=sl(vs, 0, fill), impl="reference")
+    assert_close("float32", o, lse, *ref)
+
+
+def test_auto_tactic():
+  case = Case("auto", **K2)
+  q, k, v, *_ = make(case)
+  ref = rkv.attention(q, k, v, impl="reference")
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=20, tile_cells=16)
+  assert_close("float32", *rkv.rolling_attention(q, kv, impl="xla"), *ref)  # stream
+  hs = HeadSplitKV.from_arrays(k, v, resident_heads=1, window_cells=20, tile_cells=16)
+  assert hs.resident.window_cells == hs.resident.capacity == 75 and hs.resident.n_tail_tiles == 0
+  assert hs.rolled.num_kv_heads == 1 and hs.rolled.n_full_tiles == 3
+  assert_close("float32", *rkv.rolling_attention(q, hs, impl="xla"), *ref)  # head
+
+
+def test_head_tactic_under_jit():
+  case = Case("jit", **K2)
+  q, k, v, *_ = make(case)
+  hs = HeadSplitKV.from_arrays(k, v, resident_heads=1, window_cells=20, tile_cells=16)
+  f = jax.jit(lambda q, kv: rkv.rolling_attention(q, kv, tactic="head", impl="xla"))
+  assert_close("float32", *f(q, hs), *rkv.attention(q, k, v, impl="reference"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small():
+  case = Case("bad", **K2)
+  q, k, v, *_ = make(case)
+  return q, k, v, rkv.RollingKV.from_arrays(k, v, window_cells=20, tile_cells=16)
+
+
+@pytest.mark.parametrize("tactic", ["cpu", "hybrid"])
+def test_cpu_tactics_refused_under_jit(small, tactic):
+  q, _, _, kv = small
+  f = jax.jit(lambda q, kv: rkv.rolling_attention(q, kv, tactic=tactic, impl="xla"))
+  with pytest.raises(ValueError, match="tactic='%s'.*jax.jit" % tactic):
+    f(q, kv)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_cpu_fraction_out_of_range(small, fraction):
+  q, _, _, kv = small
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    rkv.rolling_attention(q, kv, tactic="hybrid", cpu_fraction=fraction)
+
+
+@pytest.mark.parametrize("tactic", ["auto", "stream", "cpu"])
+def test_cpu_fraction_needs_hybrid(small, tactic):
+  q, _, _, kv = small
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    rkv.rolling_attention(q, kv, tactic=tactic, cpu_fraction=0.5)
+
+
+def test_cpu_threads_needs_cpu_tactic(small):
+  q, _, _, kv = small
+  with pytest.raises(ValueError, match="cpu_threads"):
+    rkv.rolling_attention(q, kv, tactic="stream", cpu_threads=2)
+
+
+@pytest.mark.parametrize("r", [3, -1, 1.0, True])
+def test_resident_heads_out_of_range(small, r):
+  _, k, v, _ = small
+  with pytest.raises(ValueError, match="resident_heads"):
+    HeadSplitKV.from_arrays(k, v, resident_heads=r, window_cells=20, tile_cells=16)
+
+
+def test_bad_tactic_kv_combinations(small):
+  q, k, v, kv = small
+  with pytest.raises(ValueError, match="tactic"):
+    rkv.rolling_attention(q, kv, tactic="head")
+  with pytest.raises(ValueError, match="tactic"):
+    rkv.rolling_attention(q, kv, tactic="bogus")
+  hs = HeadSplitKV.from_arrays(k, v, resident_heads=1, window_cells=20, tile_cells=16)
+  for tactic in ("stream", "cpu", "hybrid"):
+    with pytest.raises(ValueError, match="tactic"):
+      rkv.rolling_attention(q, hs, tactic=tactic)
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    rkv.rolling_attention(q, hs, tactic="head", cpu_fraction=0.5)
+  with pytest.raises(ValueError, match="tactic"):
+    rolling.lower(q, kv, tactic="cpu")
+
+
+def test_cpu_threads_passthrough(small):
+  q, k, v, kv = small
+  o, lse = rkv.rolling_attention(q, kv, tactic="cpu", cpu_threads=1, impl="xla")
+  assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
