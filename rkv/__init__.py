@@ -11,12 +11,13 @@ from rkv.attention import attention, attention_reference, attention_xla, merge, 
 from rkv import cache, offload
 from rkv.cache import KVBlock, RollingKV
 from rkv.rolling import rolling_attention
+from rkv.head_split import HeadSplitKV
 from rkv import residency
 from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
 from rkv.residency import AttentionShape, Plan, Profile, ResidencyConfig, plan
 
-__all__ = ["AttentionShape", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
+__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
            "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "merge", "merge_partials",
            "models", "offload", "plan", "residency", "rolling_attention"]
 __version__ = "0.1.0"
