@@ -49,6 +49,20 @@ def default_positions(batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, j
   return q_pos, k_pos
 
 
+def check_query_against_kv(where: str, q_shape: tuple[int, ...], *, kv_batch: int, kv_heads: int,
+                           kv_head_dim: int) -> None:
+  """q ``[B,T,H,D]`` against the K/V's batch, kv heads K and head dim, whatever the K/V layout."""
+  b, t, h, d = q_shape
+  if kv_batch != b:
+    raise ValueError(f"{where}: k batch {kv_batch} must equal q batch {b}")
+  if kv_head_dim != d:
+    raise ValueError(f"{where}: k head dim {kv_head_dim} must equal q head dim {d}")
+  if kv_heads == 0 or h % kv_heads != 0:
+    raise ValueError(f"{where}: q heads H={h} must be a multiple of kv heads K={kv_heads}")
+  if t == 0 or d == 0:
+    raise ValueError(f"{where}: q must have T >= 1 and D >= 1, got shape {tuple(q_shape)}")
+
+
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                    window=None, softcap=None, scale=None, where: str = "attention") -> AttentionArgs:
   """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
@@ -63,14 +77,7 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   bk, s, kh, dk = _shape(k)
   if _shape(v) != _shape(k):
     raise ValueError(f"{where}: v shape {_shape(v)} must equal k shape {_shape(k)}")
-  if bk != b:
-    raise ValueError(f"{where}: k batch {bk} must equal q batch {b}")
-  if dk != d:
-    raise ValueError(f"{where}: k head dim {dk} must equal q head dim {d}")
-  if kh == 0 or h % kh != 0:
-    raise ValueError(f"{where}: q heads H={h} must be a multiple of kv heads K={kh}")
-  if t == 0 or d == 0:
-    raise ValueError(f"{where}: q must have T >= 1 and D >= 1, got shape {_shape(q)}")
+  check_query_against_kv(where, _shape(q), kv_batch=bk, kv_heads=kh, kv_head_dim=dk)
   if jnp.dtype(q.dtype) not in [jnp.dtype(x) for x in QUERY_DTYPES]:
     raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q.dtype}")
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):

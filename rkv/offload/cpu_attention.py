@@ -58,6 +58,7 @@ import numpy as np
 
 from rkv.offload import cpu_build
 from rkv.offload import memory
+from rkv import validation
 
 _DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1,
                 np.dtype(np.float16): 2, np.dtype(np.int8): 3}
@@ -296,7 +297,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {q.shape}")
   if q.dtype not in _QUERY_DTYPES:
     raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q.dtype}")
-  bq, t, h, d = q.shape
+  _, t, h, d = q.shape
   # --- k, v: layout and dtype (no pointer taken yet) ---
   if not _is_tiles(k) and not isinstance(k, jax.Array):
     k = np.asarray(k)
@@ -325,14 +326,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
         or not 0 <= t0 <= t1 <= n_alloc:
       raise ValueError(f"{where}: tiles must be (start, stop) with 0 <= start <= stop <= "
                        f"N={n_alloc}, got {tiles!r}")
-  if b != bq:
-    raise ValueError(f"{where}: k batch {b} must equal q batch {bq}")
-  if dk != d:
-    raise ValueError(f"{where}: k head dim {dk} must equal q head dim {d}")
-  if kh == 0 or h % kh != 0:
-    raise ValueError(f"{where}: q heads H={h} must be a multiple of kv heads K={kh}")
-  if t == 0 or d == 0:
-    raise ValueError(f"{where}: q must have T >= 1 and D >= 1, got shape {q.shape}")
+  validation.check_query_against_kv(where, q.shape, kv_batch=b, kv_heads=kh, kv_head_dim=dk)
   s_total = n_alloc * tile
   quant = kdt == np.dtype(np.int8)
   if quant:
