@@ -198,7 +198,7 @@ class RollingKV:
     for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       if not _is_int(val) or val < 1:
         raise ValueError(f"RollingKV.empty: {name} must be a positive int, got {val!r}")
-    dt = _kv_dtype(dtype, "RollingKV.empty", "dtype")
+    dt = check_kv_dtype(dtype, "RollingKV.empty", "dtype")
     zeros = np.zeros((batch, 0, num_kv_heads, head_dim), dt)
     scales = np.zeros((batch, 0, num_kv_heads), np.float32) if dt == np.dtype(np.int8) else None
     return _assemble(zeros, zeros, None, scales, scales, window_cells=window_cells,
@@ -269,7 +269,8 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _kv_dtype(dtype, where: str, name: str) -> np.dtype:
+def check_kv_dtype(dtype, where: str, name: str) -> np.dtype:
+  """``dtype`` as a NumPy dtype if a cache can hold it (KV_DTYPES), else a ValueError naming ``name``."""
   try:
     dt = np.dtype(jnp.dtype(dtype))
   except TypeError as e:
@@ -308,7 +309,7 @@ def _check_kv(k, v, k_scale, v_scale, where: str):
     raise ValueError(f"{where}: v shape {np.shape(v)} must equal k shape {np.shape(k)}")
   if np.dtype(k.dtype) != np.dtype(v.dtype):
     raise ValueError(f"{where}: v dtype {v.dtype} must equal k dtype {k.dtype}")
-  _kv_dtype(k.dtype, where, "k dtype")
+  check_kv_dtype(k.dtype, where, "k dtype")
   b, s, kh, _ = np.shape(k)
   if np.dtype(k.dtype) == np.dtype(np.int8):
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -364,7 +365,7 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
   if s > capacity:
     raise ValueError(f"{where}: k holds S={s} cells, more than capacity={capacity}")
   src_dt = np.dtype(k.dtype)
-  dt = src_dt if dtype is None else _kv_dtype(dtype, where, "dtype")
+  dt = src_dt if dtype is None else check_kv_dtype(dtype, where, "dtype")
   memory.check_host_pool(_tail_bytes(b, capacity, kh, d, window_cells, tile_cells, dt),
                          where=where, argument="capacity")
   if k_pos is None:
@@ -644,7 +645,7 @@ def load(directory: str, window_cells: int | None = None, *, capacity: int | Non
   try:
     fill, b = int(manifest["fill"]), int(manifest["batch"])
     kh, d = int(manifest["num_kv_heads"]), int(manifest["head_dim"])
-    dt = _kv_dtype(manifest["dtype"], where, "manifest dtype")
+    dt = check_kv_dtype(manifest["dtype"], where, "manifest dtype")
     specs = manifest["arrays"]
     want = dict(k=((b, fill, kh, d), dt), v=((b, fill, kh, d), dt), pos=((b, fill), np.int32))
     if dt == np.dtype(np.int8):

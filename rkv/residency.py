@@ -45,7 +45,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from rkv.cache import DEFAULT_TILE_CELLS, KV_DTYPES
+from rkv.cache import DEFAULT_TILE_CELLS
+from rkv.cache import check_kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -424,14 +425,7 @@ class AttentionShape:
 
 
 def _dtype_name(dtype, where: str, name: str) -> str:
-  try:
-    import jax.numpy as jnp
-    dt = np.dtype(jnp.dtype(dtype))
-  except TypeError as e:
-    raise ValueError(f"{where}: {name} must be one of {KV_DTYPES}, got {dtype!r}") from e
-  if dt.name not in KV_DTYPES:
-    raise ValueError(f"{where}: {name} must be one of {KV_DTYPES}, got {dt.name}")
-  return dt.name
+  return check_kv_dtype(dtype, where, name).name
 
 
 def attention_shape(model_config, kv_dtype=None) -> AttentionShape:
