@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import math
 import multiprocessing
 import os
 import statistics

@@ -844,7 +844,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   sz = _sizes(shape, batch)
   budget = kv_budget_bytes(cfg, memory_stats=memory_stats, batch=batch, cell_bytes=sz.cell)
   budget_src = (f"vram_target_mib={cfg.vram_target_mib:g}" if cfg.vram_target_mib else
-                f"vram_target_mib=0 (free device memory minus the reserve)")
+                "vram_target_mib=0 (free device memory minus the reserve)")
   q_itemsize = 4 if shape.kv_dtype == "float32" else 2
   copy_s = partial_copy_time(profile, batch=batch, num_heads=shape.query_heads,
                              head_dim=shape.head_dim, q_itemsize=q_itemsize)

@@ -108,16 +108,23 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   q_pos = jnp.asarray(q_pos, jnp.int32)
   k_pos = jnp.asarray(k_pos, jnp.int32)
 
-  if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
+  scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d)
+  return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=scale, batch=b, q_len=t, kv_len=s,
+                       num_heads=h, num_kv_heads=kh, head_dim=d)
+
+
+def attention_options(where: str, *, window, softcap, scale, head_dim: int) -> float:
+  """Checks ``window``/``softcap``/``scale``; returns the scale (``D**-0.5`` by default)."""
+  if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
+                             or window < 1):
     raise ValueError(f"{where}: window must be None or a positive int, got {window!r}")
   if softcap is not None and not (float(softcap) > 0):
     raise ValueError(f"{where}: softcap must be None or > 0, got {softcap!r}")
   if scale is None:
-    scale = float(d) ** -0.5
-  elif not (float(scale) > 0):
+    return float(head_dim) ** -0.5
+  if not (float(scale) > 0):
     raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
-  return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=float(scale), batch=b, q_len=t, kv_len=s,
-                       num_heads=h, num_kv_heads=kh, head_dim=d)
+  return float(scale)
 
 
 def check_choice(where: str, name: str, value, choices) -> None:

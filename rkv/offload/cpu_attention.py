@@ -336,15 +336,8 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   elif k_scale is not None or v_scale is not None:
     raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got k dtype {kdt}")
   # --- options ---
-  if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
-                             or window < 1):
-    raise ValueError(f"{where}: window must be None or a positive int, got {window!r}")
-  if softcap is not None and not (float(softcap) > 0):
-    raise ValueError(f"{where}: softcap must be None or > 0, got {softcap!r}")
-  if scale is None:
-    scale = float(d) ** -0.5
-  elif not (float(scale) > 0):
-    raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
+  scale = validation.attention_options(where, window=window, softcap=softcap, scale=scale,
+                                       head_dim=d)
   _check_int(num_threads, "num_threads", where)
   _check_int(chunk, "chunk", where)
   # --- positions ---

@@ -477,50 +477,16 @@ def decode_attention_partials(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, 
 # ---------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "softcap", "scale"))
-def _reference_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale):
-  b, t, h, d = q.shape
-  kh = k.shape[2]
-  g = h // kh
-  kf = k.astype(jnp.float32)
-  vf = v.astype(jnp.float32)
-  if k_scale is not None:
-    kf = kf * k_scale.astype(jnp.float32)[..., None]
-    vf = vf * v_scale.astype(jnp.float32)[..., None]
-  valid = (k_pos >= 0)[:, :, None, None]
-  kf = jnp.where(valid, kf, 0.0)  # empty slots may hold NaN; 0 * NaN would leak through the dots
-  vf = jnp.where(valid, vf, 0.0)
-  qf = q.astype(jnp.float32).reshape(b, t, kh, g, d)
-  hi = lax.Precision.HIGHEST  # no TF32 on GPU: this is the reference
-  s = jnp.einsum("btkgd,bskd->btkgs", qf, kf, precision=hi) * scale
-  if softcap is not None:
-    s = softcap * jnp.tanh(s / softcap)
-  qp = q_pos[:, :, None]
-  kp = k_pos[:, None, :]
-  mask = kp >= 0
-  if causal:
-    mask = mask & (kp <= qp)
-  if window is not None:
-    mask = mask & (qp - kp < window)
-  mask = mask[:, :, None, None, :]  # [B,T,1,1,S]
-  s = jnp.where(mask, s, -jnp.inf)
-  mx = jnp.max(s, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  p = jnp.where(mask, jnp.exp(s - mx), 0.0)
-  den = jnp.sum(p, axis=-1)
-  seen = den > 0
-  o = jnp.einsum("btkgs,bskd->btkgd", p, vf, precision=hi) / jnp.where(seen, den, 1.0)[..., None]
-  lse = jnp.where(seen, mx[..., 0] + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
-  return o.reshape(b, t, h, d).astype(q.dtype), lse.reshape(b, t, h)
-
-
 def decode_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                                causal=True, window=None, softcap=None,
                                scale=None) -> tuple[jax.Array, jax.Array]:
-  """Plain-jnp float32 attention with the full [B,T,S] mask; same contract as decode_attention."""
-  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
-                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="decode_attention_reference")
-  return _reference_jit(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=bool(causal),
-                        window=None if window is None else int(window),
-                        softcap=None if softcap is None else float(softcap), scale=args.scale)
+  """Plain-jnp float32 attention with the full [B,T,S] mask; same contract as decode_attention.
+
+  The one reference of the package (``rkv.attention.attention_reference``) under this file's name.
+  """
+  from rkv.attention import attention_reference  # lazy: rkv.attention dispatches to this module
+  validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                            window=window, softcap=softcap, scale=scale,
+                            where="decode_attention_reference")
+  return attention_reference(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                             causal=causal, window=window, softcap=softcap, scale=scale)

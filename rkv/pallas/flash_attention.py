@@ -409,40 +409,13 @@ def flash_attention_block_visits(q, k, v, *, q_pos=None, k_pos=None, k_scale=Non
 def flash_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                               causal=True, window=None, softcap=None,
                               scale=None) -> tuple[jax.Array, jax.Array]:
-  """Plain-jnp float32 attention with the full [B,H,T,S] mask: same contract as the kernel."""
-  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
-                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="flash_attention_reference")
-  g = args.group
-  q_pos, k_pos = args.q_pos, args.k_pos
-  k_ok = k_pos >= 0  # [B,S]
-  kf = k.astype(jnp.float32)
-  vf = v.astype(jnp.float32)
-  if k_scale is not None:
-    kf = kf * k_scale.astype(jnp.float32)[..., None]
-    vf = vf * v_scale.astype(jnp.float32)[..., None]
-  # Empty slots may hold NaN: zero them so 0 * NaN cannot reach the sums.
-  kf = jnp.where(k_ok[:, :, None, None], kf, 0.0)
-  vf = jnp.where(k_ok[:, :, None, None], vf, 0.0)
-  b, t, h, d = q.shape
-  qf = q.astype(jnp.float32).reshape(b, t, args.num_kv_heads, g, d)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qf, kf,
-                      precision=lax.Precision.HIGHEST) * args.scale
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
-  visible = k_ok[:, None, :]
-  if causal:
-    visible = visible & (k_pos[:, None, :] <= q_pos[:, :, None])
-  if window is not None:
-    visible = visible & (q_pos[:, :, None] - k_pos[:, None, :] < window)
-  visible = visible[:, None, None]  # [B,1,1,T,S]
-  logits = jnp.where(visible, logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(visible, jnp.exp(logits - m), 0.0)
-  den = jnp.sum(p, axis=-1, keepdims=True)
-  o = jnp.einsum("bkgts,bskd->btkgd", p / jnp.where(den > 0, den, 1.0), vf,
-                 precision=lax.Precision.HIGHEST)
-  lse = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m, -jnp.inf)[..., 0]
-  lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)  # [B,K,G,T] -> [B,T,H]
-  return o.reshape(b, t, h, d).astype(q.dtype), lse.astype(jnp.float32)
+  """Plain-jnp float32 attention with the full [B,T,S] mask: same contract as the kernel.
+
+  The one reference of the package (``rkv.attention.attention_reference``) under this file's name.
+  """
+  from rkv.attention import attention_reference  # lazy: rkv.attention dispatches to this module
+  validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                            window=window, softcap=softcap, scale=scale,
+                            where="flash_attention_reference")
+  return attention_reference(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                             causal=causal, window=window, softcap=softcap, scale=scale)
