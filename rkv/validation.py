@@ -63,6 +63,18 @@ def check_query_against_kv(where: str, q_shape: tuple[int, ...], *, kv_batch: in
     raise ValueError(f"{where}: q must have T >= 1 and D >= 1, got shape {tuple(q_shape)}")
 
 
+def _dtype(x):
+  return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+
+
+def _as_int32(x):
+  # jnp.asarray costs ~5 us even on an int32 jax.Array: every eager decode step validates, so
+  # arrays that already are int32 pass through untouched.
+  if isinstance(x, (jax.Array, jax.core.Tracer)) and x.dtype == jnp.int32:
+    return x
+  return jnp.asarray(x, jnp.int32)
+
+
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                    window=None, softcap=None, scale=None, where: str = "attention") -> AttentionArgs:
   """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
@@ -103,10 +115,10 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   for name, pos, want in (("q_pos", q_pos, (b, t)), ("k_pos", k_pos, (b, s))):
     if _shape(pos) != want:
       raise ValueError(f"{where}: {name} must have shape {want}, got {_shape(pos)}")
-    if not jnp.issubdtype(jnp.asarray(pos).dtype, jnp.integer):
-      raise ValueError(f"{where}: {name} must be an integer array, got {jnp.asarray(pos).dtype}")
-  q_pos = jnp.asarray(q_pos, jnp.int32)
-  k_pos = jnp.asarray(k_pos, jnp.int32)
+    pos_dtype = _dtype(pos)
+    if not jnp.issubdtype(pos_dtype, jnp.integer):
+      raise ValueError(f"{where}: {name} must be an integer array, got {pos_dtype}")
+  q_pos, k_pos = _as_int32(q_pos), _as_int32(k_pos)
 
   scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d)
   return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=scale, batch=b, q_len=t, kv_len=s,
