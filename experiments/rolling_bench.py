@@ -40,6 +40,8 @@ _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"]
                           "Backend of the device partials.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs; the median is reported.")
+_HYBRID = flags.DEFINE_list("hybrid_cpu_fractions", [],
+                            "Also time tactic='hybrid' (eager) at these CPU shares of the tail.")
 _APPENDS = flags.DEFINE_integer("append_steps", 16, "One-token appends timed per tail size.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/rolling_bench.json", "JSON output path.")
 
@@ -62,7 +64,8 @@ def main(argv):
       lookaheads=tuple(_lookahead(x) for x in _LOOKAHEADS.value),
       num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
       head_dim=_HEAD_DIM.value, dtype=_DTYPE.value, impl=_IMPL.value, warmup=_WARMUP.value,
-      repeats=_REPEATS.value, append_steps=_APPENDS.value)
+      repeats=_REPEATS.value, append_steps=_APPENDS.value,
+      hybrid_cpu_fractions=tuple(float(x) for x in _HYBRID.value))
   result = bench.run(cfg)
   bench.write_json(result, _OUT.value)
   print(bench.format_table(result))

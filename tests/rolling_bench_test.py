@@ -10,7 +10,7 @@ from rkv.offload import bench
 STEP_KEYS = {"context", "window_fraction", "window_cells", "tail_cells", "tile_cells", "schedule",
              "step_s", "model_s", "window_s", "h2d_gbps", "tail_gbps", "resident_s", "naive_s",
              "step_over_model", "hlo"}
-APPEND_KEYS = {"context", "tail_cells", "append_s", "flush_s"}
+APPEND_KEYS = {"context", "tail_cells", "append_s", "cache_wait_s", "flush_s"}
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path):
@@ -52,3 +52,17 @@ def test_bench_lookaheads_and_bad_schedule():
     bench.run(dataclasses.replace(cfg, schedules=("scan",)))
   with pytest.raises(ValueError, match="lookahead"):
     bench.run(dataclasses.replace(cfg, lookaheads=(0,)))
+
+
+def test_bench_hybrid_rows():
+  cfg = bench.BenchConfig(contexts=(64,), window_fractions=(0.5,), tile_cells=(16,),
+                          schedules=("eager",), hybrid_cpu_fractions=(0.5,), num_heads=2,
+                          num_kv_heads=1, head_dim=8, dtype="float32", warmup=0, repeats=1,
+                          append_steps=2, resident=False, naive=False)
+  result = bench.run(cfg)
+  rows = result["steps"]
+  assert [(r["tactic"], r["cpu_fraction"]) for r in rows] == [("stream", None), ("hybrid", 0.5)]
+  assert rows[1]["step_s"] > 0 and rows[1]["model_s"] is None
+  assert "hyb0.50" in bench.format_table(result)
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    bench.run(dataclasses.replace(cfg, hybrid_cpu_fractions=(1.5,)))

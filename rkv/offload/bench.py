@@ -60,6 +60,9 @@ class BenchConfig:
   append_steps: int = 16
   resident: bool = True
   naive: bool = True
+  # Extra rows with tactic="hybrid" (eager schedule) at these CPU shares of the tail: the same
+  # tail, the same naive baseline, another way to serve it (the issue-4 tactic).
+  hybrid_cpu_fractions: tuple[float, ...] = ()
   seed: int = 0
 
 
@@ -152,19 +155,26 @@ def _step_rows(cfg: BenchConfig, s: int, cells: dict, q, q_pos, resident_s):
           2 * kv.nbytes("tail")):
         naive_s = _median_s(lambda: _naive(q, q_pos, kv, impl=cfg.impl), 1,
                             max(cfg.repeats // 4, 2))
-      runs = ([(s_, la) for s_ in cfg.schedules for la in cfg.lookaheads] if kv.n_full_tiles
-              else [("resident", None)])
-      for schedule, lookahead in runs:
+      runs = ([(s_, la, "stream", None) for s_ in cfg.schedules for la in cfg.lookaheads]
+              + [("eager", rolling.DEFAULT_LOOKAHEAD, "hybrid", f)
+                 for f in cfg.hybrid_cpu_fractions] if kv.n_full_tiles
+              else [("resident", None, None, None)])
+      for schedule, lookahead, tactic, cpu_fraction in runs:
         kw = dict(q_pos=q_pos, impl=cfg.impl)
         if schedule != "resident":
-          kw.update(schedule=schedule, lookahead=lookahead)
+          kw.update(schedule=schedule, lookahead=lookahead, tactic=tactic)
+        if tactic == "hybrid":
+          kw.update(cpu_fraction=cpu_fraction)
         step_s = _median_s(lambda: rkv.rolling_attention(q, kv, **kw), cfg.warmup, cfg.repeats)
         hlo = None
         if schedule == "unrolled":
           hlo = memory.hlo_report(rolling.lower(q, kv, **kw).compile().as_text())
         tail_s = base["streamed_bytes"] / (h2d_gbps * 1e9) if h2d_gbps else 0.0
         model_s = max(window_s or 0.0, tail_s)
-        rows.append(dict(base, schedule=schedule, lookahead=lookahead, step_s=step_s,
+        if tactic == "hybrid":  # the stream model does not describe it (tactics_bench does)
+          model_s = None
+        rows.append(dict(base, schedule=schedule, lookahead=lookahead, tactic=tactic,
+                         cpu_fraction=cpu_fraction, step_s=step_s,
                          window_s=window_s, tail_model_s=tail_s, h2d_gbps=h2d_gbps,
                          model_s=model_s, step_over_model=step_s / model_s if model_s else None,
                          tail_gbps=base["streamed_bytes"] / step_s / 1e9 if tail_s else None,
@@ -268,6 +278,11 @@ def format_table(result: dict) -> str:
       return f"{'-':>{width}}"
     return f"{format(x * scale if scale != 1.0 else x, fmt):>{width}}"
 
+  def label(r):  # hybrid rows: the CPU share of the tail
+    if r.get("tactic") == "hybrid":
+      return f"hyb{r['cpu_fraction']:.2f}"
+    return r["schedule"]
+
   def ahead(r):
     if r["schedule"] == "resident":
       return "-"
@@ -281,7 +296,7 @@ def format_table(result: dict) -> str:
     hlo = None if r["hlo"] is None else r["hlo"]["h2d_async"]
     lines.append(
         f"{r['context']:>8} {r['window_fraction']:>6.2f} {r['tile_cells']:>6} "
-        f"{r['schedule']:>9} {ahead(r):>5} "
+        f"{label(r):>9} {ahead(r):>5} "
         f"{cell(r['step_s'], 8, scale=1e3)} {cell(r['model_s'], 8, scale=1e3)} "
         f"{cell(r['step_over_model'], 6, '.2f')} {cell(r['window_s'], 8, scale=1e3)} "
         f"{cell(r['h2d_gbps'], 8, '.1f')} {cell(r['tail_gbps'], 9, '.1f')} "
