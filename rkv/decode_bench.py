@@ -12,8 +12,10 @@ Configurations (rows):
 - ``rkv_resident``: every layer a :class:`rkv.models.ResidentCache`, the jitted decode step.
   Skipped (with the reason) when weights + KV + a margin exceed the device memory.
 - ``rkv_offload``: :func:`rkv.plan` with ``vram_target_mib`` = ``offload_fraction`` (default half)
-  of the full KV bytes, mode ``auto``; when the planner picks a tactic generation does not serve
-  yet it re-plans with mode ``window`` (recorded as ``planner_fallback``). ``offload_mode="force"``
+  of the full KV bytes, mode ``auto``; when the planner picks a tactic the synthetic fill cannot
+  build (``head``: :data:`FILLED_TACTICS`) it re-plans with mode ``window`` (recorded as
+  ``planner_fallback``); ``cpu`` / ``hybrid`` layers are served as planned
+  (:func:`rkv.generate.serve_rolling`). ``offload_mode="force"``
   uses :func:`rkv.generate.force_stream` with ``W = (1 - offload_fraction) * context``.
   Window/staging cells on the device, whole tail tiles in ``pinned_host``, filled on the device
   and moved to the host tile by tile.
@@ -52,6 +54,9 @@ GIB = 1 << 30
 MIB = 1 << 20
 CONFIGS = ("rkv_resident", "rkv_offload", "hf_static", "hf_offloaded")
 OFFLOAD_MODES = ("auto", "window", "force")
+# Plan tactics whose caches the synthetic fill builds: a filled RollingKV serves stream, cpu and
+# hybrid alike; a head split would need a filled RollingKV per head group (not written yet).
+FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
 
 
@@ -235,17 +240,17 @@ def _offload_plan(cfg: BenchConfig, mc, context: int):
   else:
     p = rkv.plan(mc, cap, cfg.batch, residency=res(cfg.offload_mode))
     info["planner_mode"] = cfg.offload_mode
-    bad = sorted(set(_tactics(p)) - set(gen.SUPPORTED_TACTICS))
+    bad = sorted(set(_tactics(p)) - set(FILLED_TACTICS))
     if bad:
-      info["planner_fallback"] = (f"mode {cfg.offload_mode!r} chose {bad}, not served by "
-                                  f"generation yet: re-planned with mode 'window'")
+      info["planner_fallback"] = (f"mode {cfg.offload_mode!r} chose {bad}, which the synthetic "
+                                  f"fill does not build: re-planned with mode 'window'")
       p = rkv.plan(mc, cap, cfg.batch, residency=res("window"))
       info["planner_mode"] = "window"
   info["tactics"] = {t: _tactics(p).count(t) for t in sorted(set(_tactics(p)))}
   info["device_kv_gib"] = p.device_bytes / GIB
   info["host_kv_gib"] = p.host_bytes / GIB
   info["modeled_step_s"] = p.step_time_s
-  stream = [lp for lp in p.layers if lp.tactic == "stream"]
+  stream = [lp for lp in p.layers if lp.tactic in ("stream", "cpu", "hybrid")]
   if stream:
     info["window_cells"] = sorted({lp.window_cells for lp in stream})
     info["tile_cells"] = sorted({lp.tile_cells for lp in stream})
@@ -270,6 +275,7 @@ def _decode_rkv(step, caches, context, warmup, steps, batch):
 def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
   import jax
   from flax import nnx
+  from rkv import generate as gen
   from rkv.generate import _Stepper
   from rkv.models import Transformer, jit_forward
   mc = model_config(cfg)
@@ -314,9 +320,10 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
           layer_keys = jax.random.split(key, mc.num_layers)
           caches = []
           for lp, k in zip(plan.layers, layer_keys):
-            if lp.tactic == "stream":
-              caches.append(filled_rolling(mc, cfg.batch, cap, ctx, window_cells=lp.window_cells,
-                                           tile_cells=lp.tile_cells, key=k, rand=rand))
+            if lp.tactic in ("stream", "cpu", "hybrid"):
+              kv = filled_rolling(mc, cfg.batch, cap, ctx, window_cells=lp.window_cells,
+                                  tile_cells=lp.tile_cells, key=k, rand=rand)
+              caches.append(gen.serve_rolling(lp, kv))
             else:
               caches.append(filled_resident(mc, cfg.batch, cap, ctx, k, rand))
           caches = tuple(caches)

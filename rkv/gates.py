@@ -10,7 +10,9 @@ largest |delta logit|. :func:`check_gate` applies the named thresholds for the d
   ``mean KL <= BF16_MEAN_KL`` and top-1 agreement ``>= BF16_TOP1`` (near-ties may flip).
 
 :func:`run_equivalence` is the gate itself: the same tokens teacher-forced through resident
-caches and through ``stream`` caches (RollingKV, most cells in the host tail).
+caches and through the caches of one tail tactic (``stream``, ``cpu``, ``hybrid`` or ``head``;
+most cells in the host tail); :func:`equivalence_gate` runs it for several tactics against one
+resident run and prints a table of the figures per tactic.
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ def greedy_match(tokens_a, tokens_b) -> dict:
           "first_divergence": first}
 
 
+GATE_TACTICS = ("stream", "cpu", "hybrid", "head")
+# rkv.ResidencyConfig mode that plans each tactic ("window" streams the tail).
+_TACTIC_MODE = {"stream": "window", "cpu": "cpu", "hybrid": "hybrid", "head": "head"}
+
+
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:
   metrics: LogitMetrics
@@ -123,51 +130,123 @@ class EquivalenceReport:
   dtype: str
   plan_table: str
   reference_metrics: LogitMetrics | None = None  # resident path vs external (HF) logits
+  tactic: str = "stream"
 
   def as_dict(self) -> dict:
-    return {"passed": self.passed, "reasons": self.reasons, "dtype": self.dtype,
-            "metrics": self.metrics.as_dict(), "plan": self.plan_table,
+    return {"tactic": self.tactic, "passed": self.passed, "reasons": self.reasons,
+            "dtype": self.dtype, "metrics": self.metrics.as_dict(), "plan": self.plan_table,
             "reference_metrics": (None if self.reference_metrics is None
                                   else self.reference_metrics.as_dict())}
 
 
-def run_equivalence(model, tokens, *, prefill_len: int, window_cells: int | None = None,
-                    tile_cells: int | None = None, residency=None, chunk: int = 512,
-                    reference_logits=None) -> EquivalenceReport:
-  """Teacher-forces ``tokens [B,T]`` through resident caches and through ``stream`` caches and
-  gates the stream logits against the resident ones.
+@dataclasses.dataclass(frozen=True)
+class GateReport:
+  """The gate over several tactics: one :class:`EquivalenceReport` each, in the order run."""
 
-  The stream layout: with ``window_cells`` and ``tile_cells``, every global layer (every layer of
-  an all-sliding model) is forced to a RollingKV of that W and tile (:func:`rkv.generate.
-  force_stream`); else ``rkv.plan(..., residency=residency)`` must place a tail itself (e.g.
-  ``ResidencyConfig(mode="window", vram_target_mib=<tiny>)``). ``reference_logits [B,T,V]``
-  (e.g. HF's full forward) adds the resident path's metrics against them at the decoded
-  positions.
+  reports: tuple
+
+  @property
+  def passed(self) -> bool:
+    return all(r.passed for r in self.reports)
+
+  @property
+  def reasons(self) -> list:
+    return [f"{r.tactic}: {why}" for r in self.reports for why in r.reasons]
+
+  def table(self) -> str:
+    cols = ["tactic", "max_abs_logit", "mean_kl", "max_kl", "min_cosine", "top1", "rows", "gate"]
+    rows = [[r.tactic, f"{r.metrics.max_abs_logit:.3g}", f"{r.metrics.mean_kl:.3g}",
+             f"{r.metrics.max_kl:.3g}", f"{r.metrics.min_cosine:.9f}",
+             f"{r.metrics.top1_agreement:.4f}", str(r.metrics.rows),
+             "PASSED" if r.passed else "FAILED"] for r in self.reports]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    fmt = lambda row: "  ".join(x.rjust(w) for x, w in zip(row, widths))
+    return "\n".join([fmt(cols), *(fmt(row) for row in rows)])
+
+  def as_dict(self) -> dict:
+    """``passed`` / ``reasons`` over every tactic, the run-wide ``dtype`` and
+    ``reference_metrics``, and each tactic's report under ``results[tactic]``."""
+    first = self.reports[0] if self.reports else None
+    return {"tactics": [r.tactic for r in self.reports], "passed": self.passed,
+            "reasons": self.reasons, "dtype": None if first is None else first.dtype,
+            "reference_metrics": (None if first is None or first.reference_metrics is None
+                                  else first.reference_metrics.as_dict()),
+            "results": {r.tactic: r.as_dict() for r in self.reports}}
+
+
+def check_tactics(tactics, where: str = "tactics") -> tuple[str, ...]:
+  """``tactics`` (a sequence, or a comma-separated string) as a tuple of GATE_TACTICS."""
+  if isinstance(tactics, str):
+    tactics = [t.strip() for t in tactics.split(",") if t.strip()]
+  tactics = tuple(tactics)
+  bad = [t for t in tactics if t not in GATE_TACTICS]
+  if not tactics or bad or len(set(tactics)) != len(tactics):
+    raise ValueError(f"{where}: tactics must be distinct names from {GATE_TACTICS}, got "
+                     f"{tactics!r}")
+  return tactics
+
+
+def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
+                window_cells: int | None = None, tile_cells: int | None = None, residency=None,
+                cpu_fraction: float = 0.5, resident_heads: int | None = None):
+  """The plan a gate runs ``tactic`` with: with ``window_cells`` and ``tile_cells`` every global
+  layer (every layer of an all-sliding model) is forced to that layout
+  (:func:`rkv.generate.force_tactic`, with ``cpu_fraction`` for ``hybrid`` and ``resident_heads``
+  for ``head``, default ``K // 2``); else ``rkv.plan`` places the tail itself under ``residency``
+  with the tactic's mode (e.g. ``ResidencyConfig(vram_target_mib=<tiny>)``), and must give at
+  least one layer that tactic."""
+  from rkv import generate as gen
+  from rkv.residency import ResidencyConfig, plan as make_plan
+
+  where = "tactic_plan"
+  check_tactics([tactic], where)
+  if window_cells is not None or tile_cells is not None:
+    if window_cells is None or tile_cells is None:
+      raise ValueError(f"{where}: pass both window_cells and tile_cells, or neither")
+    base = make_plan(config, context_len, batch,
+                     residency=ResidencyConfig(mode="window", vram_target_mib=1 << 20))
+    no_global = all(w is not None for w in config.layer_windows)
+    r = config.num_kv_heads // 2 if resident_heads is None else resident_heads
+    p = gen.force_tactic(base, tactic, window_cells, tile_cells, cpu_fraction=cpu_fraction,
+                         resident_heads=r, local=no_global)
+  else:
+    residency = residency or ResidencyConfig()
+    p = make_plan(config, context_len, batch,
+                  residency=dataclasses.replace(residency, mode=_TACTIC_MODE[tactic]))
+  if tactic not in p.tactics():
+    raise ValueError(f"{where}: the plan gives no layer the {tactic!r} tactic (tactics "
+                     f"{p.tactics()}): lower vram_target_mib or force window_cells")
+  return p
+
+
+def run_equivalence(model, tokens, *, prefill_len: int, tactic: str = "stream",
+                    window_cells: int | None = None, tile_cells: int | None = None,
+                    residency=None, cpu_fraction: float = 0.5, resident_heads: int | None = None,
+                    chunk: int = 512, reference_logits=None,
+                    resident_logits=None) -> EquivalenceReport:
+  """Teacher-forces ``tokens [B,T]`` through resident caches and through the caches of
+  ``tactic`` (a plan from :func:`tactic_plan`, see there for ``window_cells``, ``tile_cells``,
+  ``residency``, ``cpu_fraction``, ``resident_heads``) and gates the tactic's logits against the
+  resident ones. ``reference_logits [B,T,V]`` (e.g. HF's full forward) adds the resident path's
+  metrics against them at the decoded positions. ``resident_logits``: the resident run's
+  :func:`rkv.generate.decode_logits`, when already computed (gating several tactics).
   """
   from rkv import generate as gen
   from rkv import models
-  from rkv.residency import ResidencyConfig, plan as make_plan
 
   tokens = np.asarray(tokens, np.int32)
   if tokens.ndim != 2:
     raise ValueError(f"run_equivalence: tokens must be [B,T], got {tokens.shape}")
   b, t = tokens.shape
   cfg = model.config
-  if window_cells is not None or tile_cells is not None:
-    if window_cells is None or tile_cells is None:
-      raise ValueError("run_equivalence: pass both window_cells and tile_cells, or neither")
-    base = make_plan(cfg, t, b, residency=ResidencyConfig(mode="window",
-                                                          vram_target_mib=1 << 20))
-    no_global = all(w is not None for w in cfg.layer_windows)
-    stream_plan = gen.force_stream(base, window_cells, tile_cells, local=no_global)
-  else:
-    stream_plan = make_plan(cfg, t, b, residency=residency or ResidencyConfig(mode="window"))
-  if "stream" not in stream_plan.tactics():
-    raise ValueError(f"run_equivalence: the plan streams no layer (tactics "
-                     f"{stream_plan.tactics()}): lower vram_target_mib or force window_cells")
-  ref = gen.decode_logits(model, tokens, models.init_caches(cfg, b, t), prefill_len=prefill_len,
-                          chunk=chunk)
-  test = gen.decode_logits(model, tokens, gen.caches_from_plan(cfg, stream_plan, b, t),
+  test_plan = tactic_plan(cfg, tactic, t, b, window_cells=window_cells, tile_cells=tile_cells,
+                          residency=residency, cpu_fraction=cpu_fraction,
+                          resident_heads=resident_heads)
+  ref = resident_logits
+  if ref is None:
+    ref = gen.decode_logits(model, tokens, models.init_caches(cfg, b, t),
+                            prefill_len=prefill_len, chunk=chunk)
+  test = gen.decode_logits(model, tokens, gen.caches_from_plan(cfg, test_plan, b, t),
                            prefill_len=prefill_len, chunk=chunk)
   metrics = logit_metrics(ref, test)
   dtype = np.dtype(cfg.dtype).name
@@ -176,32 +255,38 @@ def run_equivalence(model, tokens, *, prefill_len: int, window_cells: int | None
   if reference_logits is not None:
     ref_metrics = logit_metrics(np.asarray(reference_logits)[:, prefill_len:], ref)
   return EquivalenceReport(metrics=metrics, passed=passed, reasons=reasons, dtype=dtype,
-                           plan_table=stream_plan.table(), reference_metrics=ref_metrics)
+                           plan_table=test_plan.table(), reference_metrics=ref_metrics,
+                           tactic=tactic)
 
 
 def equivalence_gate(*, checkpoint: str | None = None, preset: str | None = None,
                      dtype: str = "float32", seq_len: int = 32, prefill_len: int = 18,
                      batch: int = 2, window_cells: int | None = 5, tile_cells: int | None = 4,
-                     vram_target_mib: float = 0.0, seed: int = 0, impl: str = "xla",
-                     out: str | None = None) -> EquivalenceReport:
+                     vram_target_mib: float = 0.0, tactics=GATE_TACTICS,
+                     cpu_fraction: float = 0.5, resident_heads: int | None = None,
+                     seed: int = 0, impl: str = "xla", out: str | None = None) -> GateReport:
   """What ``experiments/equiv_gate.py`` runs: loads ``checkpoint`` (an HF folder; its
   ``reference.npz`` tokens and logits are used when present) or a random-weight ``preset``, gates
-  the stream tactic against the resident path (:func:`run_equivalence`), prints the plan, the
-  metrics and the verdict, and writes the report as JSON to ``out``.
+  each of ``tactics`` against one resident run (:func:`run_equivalence`), prints each tactic's
+  plan and metrics, a table of the figures per tactic and the verdict, and writes the report as
+  JSON to ``out`` (:meth:`GateReport.as_dict` plus the run's inputs).
 
-  The stream layout: ``window_cells``/``tile_cells`` force W and the tile; with both None the
-  planner places the tail under ``ResidencyConfig(mode="window", vram_target_mib=...)``.
+  The layout: ``window_cells``/``tile_cells`` force W and the tile (``cpu_fraction`` and
+  ``resident_heads`` the hybrid split and the head split); with both None the planner places the
+  tail under ``ResidencyConfig(mode=<the tactic's>, vram_target_mib=...)``.
   """
   import json
   import os
 
   from flax import nnx
 
+  from rkv import generate as gen
   from rkv import models
   from rkv.residency import ResidencyConfig
 
   if (checkpoint is None) == (preset is None):
     raise ValueError("equivalence_gate: pass exactly one of checkpoint and preset")
+  tactics = check_tactics(tactics, "equivalence_gate")
   dt = jnp_dtype(dtype)
   reference = None
   if checkpoint is not None:
@@ -216,26 +301,38 @@ def equivalence_gate(*, checkpoint: str | None = None, preset: str | None = None
   if reference is None:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, model.config.vocab_size, size=(batch, seq_len), dtype=np.int32)
+  tokens = np.asarray(tokens, np.int32)
   residency = None
   if window_cells is None and tile_cells is None:
-    residency = ResidencyConfig(mode="window", vram_target_mib=vram_target_mib)
-  report = run_equivalence(model, tokens, prefill_len=prefill_len, window_cells=window_cells,
-                           tile_cells=tile_cells, residency=residency,
-                           reference_logits=reference)
-  print(report.plan_table)
-  print(f"\nstream vs resident ({report.dtype}, {report.metrics.rows} decode rows):")
-  print(report.metrics.table())
-  if report.reference_metrics is not None:
-    print(f"\nresident vs checkpoint reference logits: max |delta| "
-          f"{report.reference_metrics.max_abs_logit:.3g}, top-1 "
-          f"{report.reference_metrics.top1_agreement:.4f}")
-  print("\nGATE " + ("PASSED" if report.passed else "FAILED: " + "; ".join(report.reasons)))
+    residency = ResidencyConfig(vram_target_mib=vram_target_mib)
+  b, t = tokens.shape
+  resident = gen.decode_logits(model, tokens, models.init_caches(model.config, b, t),
+                               prefill_len=prefill_len)
+  reports = []
+  for tactic in tactics:
+    report = run_equivalence(model, tokens, prefill_len=prefill_len, tactic=tactic,
+                             window_cells=window_cells, tile_cells=tile_cells,
+                             residency=residency, cpu_fraction=cpu_fraction,
+                             resident_heads=resident_heads, reference_logits=reference,
+                             resident_logits=resident)
+    reports.append(report)
+    print(f"== {tactic} ==")
+    print(report.plan_table)
+    print(f"\n{tactic} vs resident ({report.dtype}, {report.metrics.rows} decode rows):")
+    print(report.metrics.table() + "\n")
+  gate = GateReport(tuple(reports))
+  if reports and reports[0].reference_metrics is not None:
+    rm = reports[0].reference_metrics
+    print(f"resident vs checkpoint reference logits: max |delta| {rm.max_abs_logit:.3g}, top-1 "
+          f"{rm.top1_agreement:.4f}\n")
+  print(gate.table())
+  print("\nGATE " + ("PASSED" if gate.passed else "FAILED: " + "; ".join(gate.reasons)))
   if out:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
       json.dump({"checkpoint": checkpoint, "preset": preset, "prefill_len": prefill_len,
-                 "tokens_shape": list(np.shape(tokens)), **report.as_dict()}, f, indent=2)
-  return report
+                 "tokens_shape": list(np.shape(tokens)), **gate.as_dict()}, f, indent=2)
+  return gate
 
 
 def jnp_dtype(name: str):

@@ -1,9 +1,13 @@
 """Chunked prefill and the decode loop over per-layer caches built from a residency plan.
 
-- :func:`caches_from_plan` turns a :class:`rkv.Plan` into one cache per layer: ``resident``
-  layers get a :class:`rkv.models.ResidentCache` (a :class:`rkv.models.RingCache` for a
-  sliding-window layer), ``stream`` layers a :class:`rkv.RollingKV` with the plan's W and tile.
-  ``cpu`` / ``hybrid`` / ``head`` are planned but not served here yet (ValueError).
+- :func:`caches_from_plan` turns a :class:`rkv.Plan` into one cache per layer, serving every
+  planned tactic: ``resident`` layers get a :class:`rkv.models.ResidentCache` (a
+  :class:`rkv.models.RingCache` for a sliding-window layer), ``stream`` layers a
+  :class:`rkv.RollingKV` with the plan's W and tile, ``cpu`` / ``hybrid`` layers the same cache
+  wrapped in a :class:`rkv.models.TacticKV` naming the tactic (``hybrid``: with the plan's CPU
+  share of the tail, :func:`cpu_fraction`), ``head`` layers a :class:`rkv.HeadSplitKV` with the
+  plan's ``resident_heads``.
+- :func:`force_tactic` (and :func:`force_stream`) overrides a plan's layout for gates and tests.
 - :func:`prefill` feeds the prompt in chunks (a textual progress line on stderr for long prompts).
 - :func:`generate` samples: greedy (``temperature=0``), temperature, nucleus (``top_p``).
 - :func:`decode_logits` is the teacher-forced run the logit gates compare (:mod:`rkv.gates`).
@@ -12,8 +16,9 @@ Compilation: when every cache is resident or a ring, the model runs through
 :func:`rkv.models.jit_forward`: the fill level is data, so the decode step ``[B,1]`` traces once
 and each prefill chunk shape once. A :class:`rkv.RollingKV` has a *static* fill (its window /
 staging / tail split is structure), so a jitted step would retrace every token; with any such
-layer the model runs eagerly (per-layer dispatch), and ``rkv.rolling_attention`` runs its own
-eager streaming schedule, which only exists outside ``jit`` anyway.
+layer (a ``TacticKV`` or ``HeadSplitKV`` holds RollingKVs) the model runs eagerly (per-layer
+dispatch), and ``rkv.rolling_attention`` runs its own eager streaming schedule, which only exists
+outside ``jit`` anyway — as does the ``cpu`` / ``hybrid`` host kernel.
 
 Batches are unpadded: every row has the same prompt length (positions ``0..T-1``).
 """
@@ -28,24 +33,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import residency
 from rkv.cache import RollingKV
-from rkv.models.kv import ResidentCache, RingCache
+from rkv.head_split import HeadSplitKV, _check_heads
+from rkv.models.kv import ROLLING_TACTICS, ResidentCache, RingCache, TacticKV
 from rkv.models.transformer import jit_forward
-from rkv.residency import Plan
+from rkv.residency import LayerPlan, Plan
+from rkv.rolling import DEFAULT_CPU_FRACTION
 
 DEFAULT_CHUNK = 512
 # Prompts at least this long print a progress line every PROGRESS_EVERY chunks.
 PROGRESS_MIN_TOKENS = 8192
 PROGRESS_EVERY = 8
-SUPPORTED_TACTICS = ("resident", "stream")
+# Every tactic the planner names (rkv.residency.TACTICS) is served by caches_from_plan.
+SUPPORTED_TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
+FORCED_TACTICS = ("stream", "cpu", "hybrid", "head")  # what force_tactic can impose
 
 
 # ----------------------------------------------------------------------------------------------
 # Caches from a plan
 # ----------------------------------------------------------------------------------------------
+def cpu_fraction(lp: LayerPlan) -> float | None:
+  """The share of the tail's full tiles a ``hybrid`` layer attends on the CPU — what
+  ``rkv.rolling_attention(cpu_fraction=...)`` takes; None for every other tactic.
+
+  The planner stores the other side: ``lp.hybrid_fraction`` is the share *streamed*, in whole
+  tiles of the full tail (``n_stream / n``, :func:`rkv.residency.hybrid_split`), so this is
+  ``1 - hybrid_fraction``; rolling_attention rounds ``cpu_fraction * n`` half up, which gives back
+  ``n - n_stream`` tiles at full fill. A hybrid layer planned without a CPU figure has no modeled
+  split (``hybrid_fraction`` None; the planner warns): it gets an even split,
+  ``DEFAULT_CPU_FRACTION``.
+  """
+  if lp.tactic != "hybrid":
+    return None
+  if lp.hybrid_fraction is None:
+    return DEFAULT_CPU_FRACTION
+  # Rounded: 1 - (1 - 0.1) is 0.09999999999999998, and the half-up rounding of the tile count
+  # would then flip at exact halves (0.1 * 5 tiles + 0.5 = 1.0 must give 1 CPU tile, not 0).
+  return min(1.0, max(0.0, round(1.0 - float(lp.hybrid_fraction), 12)))
+
+
+def serve_rolling(lp: LayerPlan, kv: RollingKV):
+  """``kv``, built for layer plan ``lp`` (tactic ``stream``, ``cpu`` or ``hybrid``), as the model
+  attends to it: the plain ``RollingKV`` for ``stream`` (rkv.models.kv serves it by streaming),
+  else a :class:`TacticKV` naming the tactic (and the hybrid's :func:`cpu_fraction`)."""
+  if lp.tactic not in ROLLING_TACTICS:
+    raise ValueError(f"serve_rolling: layer {lp.layer}'s tactic {lp.tactic!r} is not served by a "
+                     f"RollingKV (expected one of {ROLLING_TACTICS})")
+  if lp.tactic == "stream":
+    return kv
+  return TacticKV(kv, lp.tactic, cpu_fraction(lp))
+
+
 def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None,
                      dtype=None) -> tuple:
-  """One empty cache per layer as ``plan`` places it.
+  """One empty cache per layer as ``plan`` places it (module docstring: which type per tactic).
 
   ``capacity``: cells of each global layer's cache (default ``plan.context_len``); it must hold
   the prompt plus the generated tokens. ``dtype``: the KV dtype (default ``config.dtype``).
@@ -73,48 +115,88 @@ def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None
         out.append(RingCache.empty(batch, w, kh, d, dtype))
       else:
         out.append(ResidentCache.empty(batch, capacity, kh, d, dtype))
-    elif lp.tactic == "stream":
-      if lp.window_cells >= capacity:
-        raise ValueError(f"{where}: capacity={capacity} must exceed layer {i}'s window "
-                         f"W={lp.window_cells} for a streamed tail (plan for a longer "
-                         f"context_len or pass a larger capacity)")
-      out.append(RollingKV.empty(batch, capacity, kh, d, window_cells=lp.window_cells,
-                                 dtype=dtype, tile_cells=lp.tile_cells))
+      continue
+    if lp.tactic not in SUPPORTED_TACTICS:
+      raise ValueError(f"{where}: layer {i}'s tactic {lp.tactic!r} is unknown (supported: "
+                       f"{SUPPORTED_TACTICS})")
+    r = None
+    if lp.tactic == "head":
+      if lp.resident_heads is None:
+        raise ValueError(f"{where}: layer {i} has tactic 'head' but no resident_heads")
+      r = _check_heads(lp.resident_heads, kh, f"{where}: layer {i}")
+    if r != kh and lp.window_cells >= capacity:
+      raise ValueError(f"{where}: capacity={capacity} must exceed layer {i}'s window "
+                       f"W={lp.window_cells} for a host tail (plan for a longer context_len or "
+                       f"pass a larger capacity)")
+    if lp.tactic == "head":
+      out.append(HeadSplitKV.empty(batch, capacity, kh, d, resident_heads=r,
+                                   window_cells=lp.window_cells, dtype=dtype,
+                                   tile_cells=lp.tile_cells))
     else:
-      raise ValueError(f"{where}: layer {i}'s tactic {lp.tactic!r} is not yet supported by "
-                       f"generation (supported: {SUPPORTED_TACTICS}); plan with "
-                       f"ResidencyConfig(mode='window') to stream the tail")
+      out.append(serve_rolling(lp, RollingKV.empty(batch, capacity, kh, d,
+                                                   window_cells=lp.window_cells, dtype=dtype,
+                                                   tile_cells=lp.tile_cells)))
   return tuple(out)
 
 
-def force_stream(plan: Plan, window_cells: int, tile_cells: int, *, local: bool = False) -> Plan:
-  """``plan`` with every global layer (and every local one with ``local``) set to the
-  ``stream`` tactic with ``W = window_cells`` and ``tile = tile_cells``, whatever the budget.
+def _check_count(where, name, val, lo):
+  if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
+    want = "a positive" if lo > 0 else "a non-negative"
+    raise ValueError(f"{where}: {name} must be {want} int, got {val!r}")
+
+
+def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
+                 cpu_fraction: float = DEFAULT_CPU_FRACTION, resident_heads: int = 1,
+                 local: bool = False) -> Plan:
+  """``plan`` with every global layer (and every local one with ``local``) set to ``tactic``
+  (one of ``FORCED_TACTICS``) with ``W = window_cells`` and ``tile = tile_cells``, whatever the
+  budget.
 
   For gates and tests: it puts most of a short context in the host tail with tiles smaller than
-  the planner's WINDOW_ALIGN (the planner never plans a tail for a context that fits). Byte
-  fields are recomputed for the forced layout (K/V only, no positions).
+  the planner's WINDOW_ALIGN (the planner never plans a tail for a context that fits).
+  ``cpu_fraction`` (``hybrid`` only): the share of the tail's tiles attended on the CPU, stored as
+  the plan does, ``hybrid_fraction = 1 - cpu_fraction`` (the share streamed).
+  ``resident_heads`` (``head`` only): R in ``[0, K]`` KV heads kept whole on the device, W and
+  the tile then describe the other heads. Byte fields are recomputed with the planner's own
+  arithmetic (K/V, scales and positions, :func:`rkv.residency._layout`); the modeled ``times``
+  are left as planned (a forced layout is not the planner's choice).
   """
-  where = "force_stream"
-  for name, val in (("window_cells", window_cells), ("tile_cells", tile_cells)):
-    if not isinstance(val, (int, np.integer)) or val < (1 if name == "tile_cells" else 0):
-      raise ValueError(f"{where}: {name} must be a {'positive' if name == 'tile_cells' else 'non-negative'} int, got {val!r}")
+  where = "force_tactic"
+  if tactic not in FORCED_TACTICS:
+    raise ValueError(f"{where}: tactic must be one of {FORCED_TACTICS}, got {tactic!r}")
+  if not isinstance(plan, Plan):
+    raise ValueError(f"{where}: plan must be a rkv.Plan, got {type(plan).__name__}")
+  _check_count(where, "window_cells", window_cells, 0)
+  _check_count(where, "tile_cells", tile_cells, 1)
   cap = plan.context_len
   if window_cells >= cap:
     raise ValueError(f"{where}: window_cells={window_cells} must be < plan.context_len={cap}")
   s = plan.shape
-  cell = 2 * s.num_kv_heads * s.head_dim * np.dtype(s.kv_dtype).itemsize * plan.batch
+  r, streamed = None, None
+  if tactic == "head":
+    r = _check_heads(resident_heads, s.num_kv_heads, where)
+  if tactic == "hybrid":
+    if (isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float))
+        or not 0.0 <= float(cpu_fraction) <= 1.0):
+      raise ValueError(f"{where}: cpu_fraction must be a number in [0, 1] (the share of the "
+                       f"tail's tiles attended on the CPU), got {cpu_fraction!r}")
+    streamed = 1.0 - float(cpu_fraction)
+  lay = residency._layout(residency._sizes(s, plan.batch), cap, window_cells, tile_cells, r or 0)
   layers = []
   for lp in plan.layers:
     if lp.kind == "global" or local:
-      p = cap - window_cells
-      host = p // tile_cells * tile_cells
       lp = dataclasses.replace(
-          lp, tactic="stream", capacity=cap, window_cells=window_cells, tail_cells=p,
-          tile_cells=tile_cells, host_cells=host, resident_heads=None,
-          device_bytes=cell * (window_cells + min(tile_cells, p)), host_bytes=cell * host)
+          lp, tactic=tactic, capacity=cap, window_cells=window_cells,
+          tail_cells=cap - window_cells, tile_cells=tile_cells, host_cells=lay.host_cells,
+          resident_heads=r, device_bytes=lay.device_bytes, host_bytes=lay.host_bytes,
+          hybrid_fraction=streamed)
     layers.append(lp)
   return dataclasses.replace(plan, layers=tuple(layers))
+
+
+def force_stream(plan: Plan, window_cells: int, tile_cells: int, *, local: bool = False) -> Plan:
+  """:func:`force_tactic` with the ``stream`` tactic."""
+  return force_tactic(plan, "stream", window_cells, tile_cells, local=local)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,7 +212,7 @@ def _cache_room(caches) -> tuple[int | None, int]:
   for c in caches:
     if isinstance(c, RingCache):
       continue
-    if isinstance(c, RollingKV):
+    if isinstance(c, (RollingKV, TacticKV, HeadSplitKV)):
       cap, n = c.capacity, c.fill
     elif isinstance(c, ResidentCache):
       cap, n = c.capacity, int(c.length)
@@ -169,7 +251,8 @@ def _check_chunk(where, chunk):
 
 class _Stepper:
   """Runs one model step on ``(tokens [B,T], positions [B,T], caches)`` -> ``([B,1,V], caches)``:
-  the jitted form when every cache is resident/ring, else the eager model (RollingKV layers)."""
+  the jitted form when every cache is resident/ring, else the eager model (layers holding a
+  RollingKV: plain, in a TacticKV or in a HeadSplitKV)."""
 
   def __init__(self, model, caches, forward=None):
     self.jitted = _all_jittable(caches)
@@ -257,7 +340,8 @@ def _sample(logits, key, temperature, top_p):
 class Generation:
   """``tokens [B, max_new_tokens]`` int32 (the prompt excluded); seconds and tokens/s of the
   prefill and of the decode steps (decode: the tokens after the first, which prefill yields);
-  ``jitted``: whether the steps ran through jit (False: some layer holds a RollingKV)."""
+  ``jitted``: whether the steps ran through jit (False: some layer holds a RollingKV, plain or
+  in a TacticKV / HeadSplitKV)."""
 
   tokens: np.ndarray
   prefill_s: float

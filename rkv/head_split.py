@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rkv import cache as cache_lib
@@ -86,6 +87,27 @@ class HeadSplitKV:
           take(k, r, kh), take(v, r, kh), window_cells=window_cells,
           k_scale=take(k_scale, r, kh), v_scale=take(v_scale, r, kh), **kw)
     return cls(resident=resident, rolled=rolled, resident_heads=r, num_kv_heads=kh)
+
+  @classmethod
+  def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+            resident_heads: int, window_cells: int, dtype=None,
+            tile_cells: int = cache_lib.DEFAULT_TILE_CELLS) -> "HeadSplitKV":
+    """An empty head-split cache for decoding: KV heads ``[0, R)`` hold all ``capacity`` cells on
+    the device, heads ``[R, K)`` roll with ``window_cells`` W on the device (see
+    :meth:`rkv.RollingKV.empty`; ``dtype`` default bfloat16)."""
+    where = "HeadSplitKV.empty"
+    if not cache_lib._is_int(num_kv_heads) or num_kv_heads < 1:
+      raise ValueError(f"{where}: num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    r = _check_heads(resident_heads, num_kv_heads, where)
+    kw = dict(dtype=jnp.bfloat16 if dtype is None else dtype, tile_cells=tile_cells)
+    resident = rolled = None
+    if r:
+      resident = cache_lib.RollingKV.empty(batch, capacity, r, head_dim, window_cells=capacity,
+                                           **kw)
+    if r < num_kv_heads:
+      rolled = cache_lib.RollingKV.empty(batch, capacity, num_kv_heads - r, head_dim,
+                                         window_cells=window_cells, **kw)
+    return cls(resident=resident, rolled=rolled, resident_heads=r, num_kv_heads=num_kv_heads)
 
   def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "HeadSplitKV":
     """Appends ``k, v [B,T,K,D]`` (split by KV head between the parts); returns the new cache.

@@ -1,5 +1,6 @@
 """rkv.generate (prefill, sampling, teacher-forced decode) and the rkv.gates metrics."""
 
+import dataclasses
 import math
 import os
 
@@ -106,13 +107,17 @@ def test_bad_inputs_name_the_argument(llama):
   with pytest.raises(ValueError, match="chunk"):
     gen.prefill(model, tokens, caches(), chunk=0)
   plan = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
-  cpu = gen.force_stream(plan, 5, 3)
-  cpu = cpu.__class__(**{**cpu.__dict__, "layers": tuple(
-      lp.__class__(**{**lp.__dict__, "tactic": "cpu"}) for lp in cpu.layers)})
-  with pytest.raises(ValueError, match="'cpu' is not yet supported by generation"):
-    gen.caches_from_plan(cfg, cpu, 2, 32)
-  with pytest.raises(ValueError, match="capacity"):
-    gen.caches_from_plan(cfg, gen.force_stream(plan, 5, 3), 2, 5)
+  with pytest.raises(ValueError, match="'bogus' is unknown"):
+    gen.caches_from_plan(cfg, _with_layers(gen.force_stream(plan, 5, 3), tactic="bogus"), 2, 32)
+  for tactic in gen.FORCED_TACTICS:
+    with pytest.raises(ValueError, match="capacity"):
+      gen.caches_from_plan(cfg, gen.force_tactic(plan, tactic, 5, 3), 2, 5)
+
+
+def _with_layers(plan, **fields):
+  """``plan`` with ``fields`` replaced in every global layer (plans a planner would not make)."""
+  return dataclasses.replace(plan, layers=tuple(
+      dataclasses.replace(lp, **fields) if lp.kind == "global" else lp for lp in plan.layers))
 
 
 def test_stream_caches_generate_like_resident():
@@ -133,6 +138,157 @@ def test_stream_caches_generate_like_resident():
                      caches=models.init_caches(cfg, 2, 32))
   assert gates.greedy_match(ref.tokens, out.tokens) == {
       "equal": True, "agreement": 1.0, "first_divergence": [None, None]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Every tactic through generation
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma2():
+  """The gemma2 fixture (K=2: a head split 0 < R < K exists; a sliding + a global layer), its
+  tokens and the resident greedy run (prompt 18, 5 new tokens: same shapes as above)."""
+  model = models.load_hf(os.path.join(FIXTURES, "gemma2"), jnp.float32, impl="xla")
+  tokens = np.load(os.path.join(FIXTURES, "gemma2", "reference.npz"))["tokens"]
+  ref = gen.generate(model, tokens[:, :18], max_new_tokens=5,
+                     caches=models.init_caches(model.config, 2, 32))
+  base = rkv.plan(model.config, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
+  return model, tokens, ref.tokens, base
+
+
+@pytest.mark.parametrize("tactic,kw", [
+    ("cpu", {}), ("hybrid", dict(cpu_fraction=0.5)), ("head", dict(resident_heads=0)),
+    ("head", dict(resident_heads=1))], ids=["cpu", "hybrid_0.5", "head_R0", "head_R1"])
+def test_tactic_caches_generate_like_resident(gemma2, tactic, kw):
+  """Greedy generation through each non-stream tactic equals the resident run, token for token."""
+  model, tokens, ref, base = gemma2
+  cfg = model.config
+  plan = gen.force_tactic(base, tactic, 5, 4, **kw)
+  assert plan.tactics() == ("resident", tactic)
+  caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+  want = rkv.HeadSplitKV if tactic == "head" else models.TacticKV
+  assert isinstance(caches[1], want)
+  out = gen.generate(model, tokens[:, :18], max_new_tokens=5, caches=caches)
+  assert not out.jitted and isinstance(out.caches[1], want) and out.caches[1].fill == 22
+  assert gates.greedy_match(ref, out.tokens) == {
+      "equal": True, "agreement": 1.0, "first_divergence": [None, None]}
+
+
+def _tiny_plan(mode, **kw):
+  # tiny-llama (L=2, K=2, D=16, float32) at 512 cells: 0.254 MiB of KV in all; 0.15 MiB leaves
+  # each global layer W=128, a staging tile and 3 host tiles of 128. CPU attention as fast as
+  # PCIe makes the modeled hybrid split a real one (H200_DEFAULT's 1.8 GB/s streams it all).
+  cfg = models.ModelConfig.preset("tiny-llama", dtype="float32")
+  res = rkv.ResidencyConfig(mode=mode, vram_target_mib=0.15, tile_cells=128, min_tile_cells=128,
+                            profile=rkv.residency.H200_DEFAULT, cpu_attn_gbps=48.5, **kw)
+  return cfg, rkv.plan(cfg, 512, 1, residency=res)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "hybrid", "head"])
+def test_caches_from_a_real_plan(mode):
+  cfg, plan = _tiny_plan(mode)
+  assert plan.tactics() == (mode, mode), plan.table()
+  caches = gen.caches_from_plan(cfg, plan, 1)
+  for c, lp in zip(caches, plan.layers):
+    assert c.capacity == 512 and c.fill == 0
+    if mode == "head":
+      assert isinstance(c, rkv.HeadSplitKV) and 0 <= lp.resident_heads < 2
+      assert c.resident_heads == lp.resident_heads
+      assert c.rolled.window_cells == lp.window_cells and c.rolled.tile_cells == lp.tile_cells
+      continue
+    assert isinstance(c, models.TacticKV) and c.tactic == mode
+    assert (c.kv.window_cells, c.kv.tile_cells) == (lp.window_cells, lp.tile_cells)
+    assert c.kv.n_tail_tiles == lp.host_cells // lp.tile_cells
+    if mode == "cpu":
+      assert c.cpu_fraction is None and lp.hybrid_fraction is not None  # modeled, unused
+      continue
+    # The plan stores the share streamed in whole tiles of the full tail; the cache the share on
+    # the CPU, and rolling_attention's half-up rounding gives back the planned tile counts.
+    n = c.kv.n_tail_tiles
+    n_stream = round(lp.hybrid_fraction * n)
+    assert n == 3 and 0 < n_stream < n, plan.table()
+    assert c.cpu_fraction == gen.cpu_fraction(lp)
+    assert math.isclose(c.cpu_fraction, 1.0 - lp.hybrid_fraction, abs_tol=1e-12)
+    assert math.floor(c.cpu_fraction * n + 0.5) == n - n_stream
+
+
+def test_planned_hybrid_decodes_like_resident():
+  cfg, plan = _tiny_plan("hybrid")
+  from flax import nnx
+  model = models.Transformer(cfg, rngs=nnx.Rngs(0), impl="xla")
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, 512), dtype=np.int32)
+  ref = gen.decode_logits(model, tokens, models.init_caches(cfg, 1, 512), prefill_len=506)
+  got = gen.decode_logits(model, tokens, gen.caches_from_plan(cfg, plan, 1), prefill_len=506)
+  passed, reasons = gates.check_gate(gates.logit_metrics(ref, got), "float32")
+  assert passed, reasons
+
+
+def test_cpu_fraction_of_a_layer_plan():
+  _, plan = _tiny_plan("hybrid")
+  lp = plan.layers[0]
+  assert gen.cpu_fraction(dataclasses.replace(lp, hybrid_fraction=None)) == 0.5  # unmodeled
+  assert gen.cpu_fraction(dataclasses.replace(lp, hybrid_fraction=1.0)) == 0.0
+  assert gen.cpu_fraction(dataclasses.replace(lp, tactic="stream")) is None
+  forced = gen.force_tactic(plan, "hybrid", 128, 128, cpu_fraction=0.25)
+  assert forced.layers[0].hybrid_fraction == 0.75 and gen.cpu_fraction(forced.layers[0]) == 0.25
+  # 1 - (1 - 0.1) is not 0.1 in floats: the share comes back exact, so 5 tiles still give 1
+  forced = gen.force_tactic(plan, "hybrid", 128, 128, cpu_fraction=0.1)
+  assert gen.cpu_fraction(forced.layers[0]) == 0.1
+
+
+def test_force_tactic_layouts_and_bytes():
+  _, plan = _tiny_plan("hybrid")  # a real plan: force_tactic overrides it whatever it holds
+  cell = 2 * 2 * 16 * 4  # K/V bytes of one cell of one layer (K=2, D=16, float32, B=1)
+  for tactic in gen.FORCED_TACTICS:
+    r = 1 if tactic == "head" else None
+    forced = gen.force_tactic(plan, tactic, 100, 64, resident_heads=1)
+    for lp in forced.layers:
+      assert (lp.tactic, lp.window_cells, lp.tail_cells, lp.tile_cells) == (tactic, 100, 412, 64)
+      assert lp.resident_heads == r and lp.host_cells == 6 * 64
+      heads = 1 if tactic == "head" else 2  # rolled heads
+      assert lp.host_bytes == heads * 6 * 64 * cell // 2
+      # window + staging K/V of the rolled heads, their positions (window, staging, host
+      # tiles: all on the device), the resident head's cells and positions
+      dev = (heads * (100 + 64) * cell // 2 + 4 * (100 + 64 + 6 * 64)
+             + (512 * (cell // 2 + 4) if r else 0))
+      assert lp.device_bytes == dev
+    assert (forced.layers[0].hybrid_fraction is None) == (tactic != "hybrid")
+  # force_stream is force_tactic("stream")
+  assert gen.force_stream(plan, 100, 64) == gen.force_tactic(plan, "stream", 100, 64)
+
+
+def test_force_tactic_bad_inputs_name_the_argument():
+  cfg, plan = _tiny_plan("hybrid")
+  with pytest.raises(ValueError, match="tactic must be one of"):
+    gen.force_tactic(plan, "resident", 100, 64)
+  with pytest.raises(ValueError, match="tactic"):
+    gen.force_tactic(plan, "bogus", 100, 64)
+  for r in (3, -1, True, 1.0):
+    with pytest.raises(ValueError, match="resident_heads"):
+      gen.force_tactic(plan, "head", 100, 64, resident_heads=r)
+  for f in (-0.1, 1.5, True, "0.5"):
+    with pytest.raises(ValueError, match="cpu_fraction"):
+      gen.force_tactic(plan, "hybrid", 100, 64, cpu_fraction=f)
+  with pytest.raises(ValueError, match="window_cells"):
+    gen.force_tactic(plan, "cpu", 512, 64)
+  with pytest.raises(ValueError, match="tile_cells"):
+    gen.force_tactic(plan, "cpu", 100, 0)
+  with pytest.raises(ValueError, match="plan"):
+    gen.force_tactic(None, "cpu", 100, 64)
+  head = gen.force_tactic(plan, "head", 100, 64)
+  with pytest.raises(ValueError, match="resident_heads"):
+    gen.caches_from_plan(cfg, _with_layers(head, resident_heads=None), 1)
+  with pytest.raises(ValueError, match="resident_heads"):
+    gen.caches_from_plan(cfg, _with_layers(head, resident_heads=5), 1)
+  kv = rkv.RollingKV.empty(1, 8, 2, 16, window_cells=2, tile_cells=2)
+  with pytest.raises(ValueError, match="tactic"):
+    models.TacticKV(kv, "head")
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    models.TacticKV(kv, "cpu", cpu_fraction=0.5)
+  with pytest.raises(ValueError, match="cpu_fraction"):
+    models.TacticKV(kv, "hybrid", cpu_fraction=2.0)
+  assert models.TacticKV(kv, "hybrid").cpu_fraction == 0.5
+  with pytest.raises(ValueError, match="tactic"):
+    gen.serve_rolling(head.layers[0], kv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,3 +323,24 @@ def test_metrics_known_values():
     gates.check_gate(m, "float16")
   match = gates.greedy_match([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
   assert match == {"equal": False, "agreement": 5 / 6, "first_divergence": [None, 1]}
+
+
+def test_equivalence_gate_per_tactic(tmp_path, capsys):
+  """experiments/equiv_gate.py's library call: one resident run, a report per tactic, a table."""
+  import json
+  out = tmp_path / "gate.json"
+  report = gates.equivalence_gate(checkpoint=os.path.join(FIXTURES, "gemma2"), tactics="cpu,head",
+                                  out=str(out))
+  assert report.passed and [r.tactic for r in report.reports] == ["cpu", "head"]
+  printed = capsys.readouterr().out
+  assert "== cpu ==" in printed and "GATE PASSED" in printed
+  table = report.table().splitlines()
+  assert table[0].split()[:2] == ["tactic", "max_abs_logit"] and len(table) == 3
+  saved = json.load(open(out))
+  assert saved["tactics"] == ["cpu", "head"] and saved["passed"] and saved["reasons"] == []
+  assert saved["dtype"] == "float32" and saved["reference_metrics"]["top1_agreement"] == 1.0
+  assert saved["results"]["head"]["plan"].count("head") >= 2  # the head plan's table
+  assert saved["results"]["cpu"]["metrics"]["max_abs_logit"] <= gates.F32_MAX_ABS_LOGIT
+  for bad in ("bogus", "", "cpu,cpu", ("resident",)):
+    with pytest.raises(ValueError, match="tactics"):
+      gates.check_tactics(bad)

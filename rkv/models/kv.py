@@ -15,8 +15,16 @@ on the cache's type:
   modulo R. Positions make this exact whatever the slot order: a query at p needs keys in
   ``(p - W, p]``, and the ring holds the last R >= W - 1 cells before the chunk.
 - ``rkv.RollingKV`` (device window + pinned-host tail, :mod:`rkv.cache`) is registered too: a plan
-  can give any layer one, and :func:`rkv.rolling_attention` serves it. Its fill level is static,
-  so call the model eagerly (or accept one trace per fill level) for such layers.
+  can give any layer one, and :func:`rkv.rolling_attention` serves it with the ``stream`` tactic.
+  Its fill level is static, so call the model eagerly (or accept one trace per fill level) for
+  such layers.
+- :class:`TacticKV` — a ``RollingKV`` plus the tail tactic that serves it (``stream``, ``cpu`` or
+  ``hybrid`` with its ``cpu_fraction``) as static pytree metadata: the cache says how it is
+  attended, so the model and the decode loop stay tactic-blind. ``cpu`` / ``hybrid`` run the host
+  C kernel over concrete arrays: eager only, like the rolling cache itself.
+- ``rkv.HeadSplitKV`` (the ``head`` tactic: R KV heads fully resident, the other ``K - R``
+  rolled) is registered as is: it already carries R, and ``rolling_attention`` splits the query
+  heads between its parts.
 
 Another cache type plugs in with ``@attend.register`` (and ``@next_position.register``); the
 model runs unchanged.
@@ -34,8 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import rolling
 from rkv.attention import attention, merge
 from rkv.cache import RollingKV
+from rkv.head_split import HeadSplitKV
 from rkv.rolling import rolling_attention
 
 
@@ -130,6 +140,52 @@ for _cls in (ResidentCache, RingCache):
   jax.tree_util.register_dataclass(_cls, data_fields=["k", "v", "pos", "length"], meta_fields=[])
 
 
+# The tactics a TacticKV names; "head" is a HeadSplitKV of its own (its parts hold the heads).
+ROLLING_TACTICS = ("stream", "cpu", "hybrid")
+
+
+@dataclasses.dataclass(frozen=True)
+class TacticKV:
+  """One layer's :class:`rkv.RollingKV` (``kv``, the data) and the tail tactic serving it
+  (static): ``tactic`` in ``ROLLING_TACTICS``; ``cpu_fraction``: ``hybrid`` only, the share of the
+  tail's full tiles attended on the CPU (``rkv.rolling_attention``'s argument; default 0.5),
+  None otherwise. A plain ``RollingKV`` is served like ``TacticKV(kv, "stream")``."""
+
+  kv: RollingKV
+  tactic: str = "stream"
+  cpu_fraction: float | None = None
+
+  def __post_init__(self):
+    # Only the static fields are checked: unflattening may rebuild the node around non-arrays.
+    where = "TacticKV"
+    if self.tactic not in ROLLING_TACTICS:
+      raise ValueError(f"{where}: tactic must be one of {ROLLING_TACTICS} (a 'head' layer is a "
+                       f"rkv.HeadSplitKV), got {self.tactic!r}")
+    object.__setattr__(self, "cpu_fraction",
+                       rolling._check_fraction(self.cpu_fraction, self.tactic, where))
+
+  def __repr__(self):
+    share = "" if self.cpu_fraction is None else f", cpu_fraction={self.cpu_fraction:g}"
+    return f"TacticKV({self.tactic}{share}, {self.kv!r})"
+
+  @property
+  def fill(self) -> int:
+    return self.kv.fill
+
+  @property
+  def capacity(self) -> int:
+    return self.kv.capacity
+
+  def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "TacticKV":
+    """:meth:`rkv.RollingKV.append` on ``kv``, the tactic kept (``kv``'s buffers are donated)."""
+    return dataclasses.replace(self, kv=self.kv.append(k, v, pos, k_scale=k_scale,
+                                                       v_scale=v_scale))
+
+
+jax.tree_util.register_dataclass(TacticKV, data_fields=["kv"],
+                                 meta_fields=["tactic", "cpu_fraction"])
+
+
 # ----------------------------------------------------------------------------------------------
 # The attention layer's entry point
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +223,25 @@ def _(cache: RingCache, q, k, v, positions, *, window, softcap, scale, impl):
 def _(cache: RollingKV, q, k, v, positions, *, window, softcap, scale, impl):
   new = cache.append(k, v, positions)
   o, _ = rolling_attention(q, new, q_pos=positions, causal=True, window=window, softcap=softcap,
-                           scale=scale, impl=impl)
+                           scale=scale, impl=impl, tactic="stream")
+  return o, new
+
+
+@attend.register
+def _(cache: TacticKV, q, k, v, positions, *, window, softcap, scale, impl):
+  new = cache.append(k, v, positions)
+  o, _ = rolling_attention(q, new.kv, q_pos=positions, causal=True, window=window,
+                           softcap=softcap, scale=scale, impl=impl, tactic=new.tactic,
+                           cpu_fraction=new.cpu_fraction)
+  return o, new
+
+
+@attend.register
+def _(cache: HeadSplitKV, q, k, v, positions, *, window, softcap, scale, impl):
+  # HeadSplitKV.append splits k/v by KV head; rolling_attention splits q's heads the same way.
+  new = cache.append(k, v, positions)
+  o, _ = rolling_attention(q, new, q_pos=positions, causal=True, window=window, softcap=softcap,
+                           scale=scale, impl=impl, tactic="head")
   return o, new
 
 
@@ -183,8 +257,10 @@ def _(cache: ResidentCache):
   return cache.length
 
 
-@next_position.register
-def _(cache: RollingKV):
+@next_position.register(RollingKV)
+@next_position.register(TacticKV)
+@next_position.register(HeadSplitKV)
+def _(cache):
   return jnp.int32(cache.fill)
 
 
