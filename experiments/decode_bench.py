@@ -36,6 +36,8 @@ _TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells
 _MIN_TILE = flags.DEFINE_integer("min_tile_cells", 4096, "Smallest host-tail tile (cells).")
 _MARGIN = flags.DEFINE_float("margin_gib", 6.0, "Device memory kept free in the fit checks.")
 _DEVMEM = flags.DEFINE_float("device_memory_gib", 0.0, "Device memory for the fit checks (0: ask).")
+_PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON the planner uses (default: "
+                               "~/.cache/rkv/profile.json if present, else rkv.H200_DEFAULT).")
 _HF_DEVICE = flags.DEFINE_string("hf_device", "auto", "torch device (auto: cuda if present).")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"], "rkv attention.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
@@ -52,7 +54,7 @@ def main(argv):
       offload_steps=_OFF_STEPS.value, offload_fraction=_FRACTION.value,
       offload_mode=_MODE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       margin_gib=_MARGIN.value, device_memory_gib=_DEVMEM.value, hf_device=_HF_DEVICE.value,
-      impl=_IMPL.value)
+      impl=_IMPL.value, profile_path=_PROFILE.value)
   decode_bench.main(cfg, _OUT.value, _PLOT.value or None)
 
 

@@ -81,6 +81,9 @@ class BenchConfig:
   host_memory_fraction: float = 0.85  # HF offloaded needs the full KV in host RAM
   hf_device: str = "auto"  # auto: cuda if torch sees one, else cpu
   impl: str = "auto"
+  # The planner's measured figures (rkv.Profile JSON, e.g. benchmarks/results/profile_h200.json);
+  # None: ResidencyConfig's default (~/.cache/rkv/profile.json if present, else H200_DEFAULT).
+  profile_path: str | None = None
   seed: int = 0
 
   def __post_init__(self):
@@ -96,15 +99,30 @@ class BenchConfig:
       raise ValueError(f"{where}: contexts must be ints >= 2, got {self.contexts}")
     if self.steps < 1 or self.offload_steps < 1 or self.warmup < 0 or self.offload_warmup < 0:
       raise ValueError(f"{where}: steps >= 1 and warmup >= 0 required")
+    if any(int(c) <= self.decode_steps for c in self.contexts):
+      raise ValueError(f"{where}: every context must exceed the {self.decode_steps} decode "
+                       f"steps (warm-up + timed), got {self.contexts}")
 
   def steps_for(self, name: str) -> tuple[int, int]:
     if name in ("rkv_offload", "hf_offloaded"):
       return self.offload_warmup, self.offload_steps
     return self.warmup, self.steps
 
+  @property
+  def decode_steps(self) -> int:
+    return max(self.warmup + self.steps, self.offload_warmup + self.offload_steps)
+
   def capacity(self, context: int) -> int:
-    """Cells each cache holds: the synthetic context plus every decode step."""
-    return int(context) + max(self.warmup + self.steps, self.offload_warmup + self.offload_steps)
+    """Cells each cache holds: exactly the context. The synthetic fill stops
+    :attr:`decode_steps` short of it and the decode steps write the rest. (An exact power-of-two
+    capacity also keeps torch's pinned host allocator, which rounds every allocation up to a
+    power of two, from doubling the offloaded cache's host memory: 64 GiB of KV at 512K took
+    128 GiB and the H200 host's OOM killer ended the run.)"""
+    return int(context)
+
+  def fill(self, context: int) -> int:
+    """Synthetic cells written before decoding (positions ``0 .. fill-1``)."""
+    return int(context) - self.decode_steps
 
 
 def model_config(cfg: BenchConfig):
@@ -231,7 +249,9 @@ def _offload_plan(cfg: BenchConfig, mc, context: int):
   info: dict[str, Any] = dict(vram_target_mib=target_mib, offload_mode=cfg.offload_mode)
   res = lambda mode: rkv.ResidencyConfig(mode=mode, vram_target_mib=target_mib,
                                          tile_cells=cfg.tile_cells,
-                                         min_tile_cells=cfg.min_tile_cells)
+                                         min_tile_cells=cfg.min_tile_cells,
+                                         profile_path=cfg.profile_path)
+  info["profile"] = res("auto").resolve_profile().source
   if cfg.offload_mode == "force":
     base = rkv.plan(mc, cap, cfg.batch, residency=res("window"))
     w = int(round((1 - cfg.offload_fraction) * context))
@@ -295,10 +315,10 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
   rows = []
   for ctx in cfg.contexts:
     ctx = int(ctx)
-    cap = cfg.capacity(ctx)
+    cap, fill = cfg.capacity(ctx), cfg.fill(ctx)
     for name in names:
-      row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, batch=cfg.batch,
-                                 kv_gib=kv_bytes(mc, cap, cfg.batch) / GIB)
+      row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, fill=fill,
+                                 batch=cfg.batch, kv_gib=kv_bytes(mc, cap, cfg.batch) / GIB)
       rows.append(row)
       warmup, steps = cfg.steps_for(name)
       caches = None
@@ -312,7 +332,7 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
             row["skipped"] = why
             log(f"rkv {name} {ctx}: skipped: {why}")
             continue
-          caches = tuple(filled_resident(mc, cfg.batch, cap, ctx, k, rand)
+          caches = tuple(filled_resident(mc, cfg.batch, cap, fill, k, rand)
                          for k in jax.random.split(key, mc.num_layers))
         else:
           plan, info = _offload_plan(cfg, mc, ctx)
@@ -321,17 +341,17 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
           caches = []
           for lp, k in zip(plan.layers, layer_keys):
             if lp.tactic in ("stream", "cpu", "hybrid"):
-              kv = filled_rolling(mc, cfg.batch, cap, ctx, window_cells=lp.window_cells,
+              kv = filled_rolling(mc, cfg.batch, cap, fill, window_cells=lp.window_cells,
                                   tile_cells=lp.tile_cells, key=k, rand=rand)
               caches.append(gen.serve_rolling(lp, kv))
             else:
-              caches.append(filled_resident(mc, cfg.batch, cap, ctx, k, rand))
+              caches.append(filled_resident(mc, cfg.batch, cap, fill, k, rand))
           caches = tuple(caches)
         jax.block_until_ready(caches)
         row["fill_s"] = time.perf_counter() - t1
         step = _Stepper(model, caches, forward)
         row["jitted"] = step.jitted
-        times, caches = _decode_rkv(step, caches, ctx, warmup, steps, cfg.batch)
+        times, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
         row.update(_summary(times, warmup, cfg.batch))
         log(f"rkv {name} {ctx}: {row['tokens_per_s']:.2f} tok/s "
             f"(median step {1e3 * row['step_s']:.2f} ms, fill {row['fill_s']:.1f} s)")
@@ -438,8 +458,18 @@ def _decode_hf(model, cache, context, warmup, steps, batch, device):
   return times
 
 
-def run_hf(cfg: BenchConfig, log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-  """The transformers rows (call in a process whose device JAX has not claimed)."""
+def _dump(path: str, out: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(out, f, default=str)
+  os.replace(tmp, path)  # a reader never sees half a file
+
+
+def run_hf(cfg: BenchConfig, log=print,
+           partial_path: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+  """The transformers rows (call in a process whose device JAX has not claimed).
+  ``partial_path``: the rows so far are written there after every row, so a child killed later
+  (the host's OOM killer) still reports the rows it finished."""
   import torch
   import transformers
   from transformers import LlamaForCausalLM
@@ -480,11 +510,11 @@ def run_hf(cfg: BenchConfig, log=print) -> tuple[list[dict[str, Any]], dict[str,
   rows = []
   for ctx in cfg.contexts:
     ctx = int(ctx)
-    cap = cfg.capacity(ctx)
+    cap, fill = cfg.capacity(ctx), cfg.fill(ctx)
     kv = kv_bytes(mc, cap, cfg.batch)
     for name in names:
-      row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, batch=cfg.batch,
-                                 kv_gib=kv / GIB)
+      row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, fill=fill,
+                                 batch=cfg.batch, kv_gib=kv / GIB)
       rows.append(row)
       warmup, steps = cfg.steps_for(name)
       cache = None
@@ -514,9 +544,9 @@ def run_hf(cfg: BenchConfig, log=print) -> tuple[list[dict[str, Any]], dict[str,
           continue
         t1 = time.perf_counter()
         cache = build(hf_cfg, cap)
-        _hf_fill(cache, hf_cfg, mc, cfg.batch, cap, ctx, device, dtype, offloaded, gen)
+        _hf_fill(cache, hf_cfg, mc, cfg.batch, cap, fill, device, dtype, offloaded, gen)
         row["fill_s"] = time.perf_counter() - t1
-        times = _decode_hf(model, cache, ctx, warmup, steps, cfg.batch, device)
+        times = _decode_hf(model, cache, fill, warmup, steps, cfg.batch, device)
         row.update(_summary(times, warmup, cfg.batch))
         log(f"hf {name} {ctx}: {row['tokens_per_s']:.2f} tok/s "
             f"(median step {1e3 * row['step_s']:.2f} ms, {kind})")
@@ -529,6 +559,8 @@ def run_hf(cfg: BenchConfig, log=print) -> tuple[list[dict[str, Any]], dict[str,
         gc.collect()
         if device.type == "cuda":
           torch.cuda.empty_cache()
+        if partial_path:
+          _dump(partial_path, dict(rows=rows, env=env, partial=True))
   return rows, env
 
 
@@ -536,13 +568,12 @@ def _hf_child(cfg_dict: dict, path: str) -> None:
   """Entry point of the spawned child: runs :func:`run_hf`, writes rows + env to ``path``."""
   cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg_dict.items()})
   try:
-    rows, env = run_hf(cfg, log=lambda m: print(m, flush=True))
+    rows, env = run_hf(cfg, log=lambda m: print(m, flush=True), partial_path=path + ".partial")
     out = dict(rows=rows, env=env)
   except Exception as e:  # noqa: BLE001
     out = dict(rows=[], env={}, error=f"{type(e).__name__}: {e}",
                traceback=traceback.format_exc(limit=8))
-  with open(path, "w") as f:
-    json.dump(out, f, default=str)
+  _dump(path, out)
 
 
 def run_hf_isolated(cfg: BenchConfig, log=print, timeout_s: float = 420.0):
@@ -566,6 +597,16 @@ def run_hf_isolated(cfg: BenchConfig, log=print, timeout_s: float = 420.0):
       err = f"transformers child exceeded {timeout_s:.0f} s and was terminated"
     elif not os.path.exists(path):
       err = f"transformers child exited with code {p.exitcode} and no result (OOM?)"
+      if os.path.exists(path + ".partial"):  # the rows it finished before it died
+        with open(path + ".partial") as f:
+          part = json.load(f)
+        done = {(r["config"], r["context"]) for r in part["rows"]}
+        # The row in flight when the child died (and any after it) gets the error.
+        rows = part["rows"] + [dict(config=n, context=int(c), error=err)
+                               for c in cfg.contexts for n in names
+                               if (n, int(c)) not in done]
+        log(f"hf: {err}; kept the {len(part['rows'])} rows it finished")
+        return rows, dict(part["env"], child_error=err)
     else:
       with open(path) as f:
         out = json.load(f)
