@@ -287,13 +287,19 @@ def _concrete(x) -> np.ndarray | None:
     return None
 
 
-def _check_positions(pos, want: tuple[int, int], where: str, name: str):
+def _check_positions(pos, want: tuple[int, int], where: str, name: str, *,
+                     read_device: bool = True):
+  """Shape, dtype and (for host values, or device values with ``read_device``) range.
+
+  ``append`` passes ``read_device=False``: reading a device array back is a host sync, and one
+  per layer and token made the whole decode loop wait for the GPU at every layer (the Python
+  thread could no longer run ahead of the device)."""
   if tuple(np.shape(pos)) != want:
     raise ValueError(f"{where}: {name} must have shape [B,S]={want}, got {tuple(np.shape(pos))}")
   dtype = pos.dtype if hasattr(pos, "dtype") else np.asarray(pos).dtype
   if not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{where}: {name} must be an integer array, got {dtype}")
-  values = _concrete(pos)
+  values = None if isinstance(pos, jax.Array) and not read_device else _concrete(pos)
   if values is not None and values.size:
     lo, hi = int(values.min()), int(values.max())
     if lo < -1 or hi > np.iinfo(np.int32).max:
@@ -502,7 +508,7 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
                      f"its capacity={kv.capacity}")
   if pos is None:
     pos = jnp.broadcast_to(jnp.arange(kv.fill, kv.fill + t, dtype=jnp.int32), (b, t))
-  _check_positions(pos, (b, t), where, "pos")
+  _check_positions(pos, (b, t), where, "pos", read_device=False)
   src_int8 = np.dtype(k.dtype) == np.dtype(np.int8)
   if kv.quantized and not src_int8:
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
