@@ -1,16 +1,19 @@
 """Probe this machine's figures for the residency planner and write a profile JSON.
 
-Measures host↔device device_put bandwidth (pinned_host ↔ device), small-copy latency, the
-device decode-attention rate, and — when rkv.offload.cpu_attention exists — host-CPU attention
-and host memory read bandwidth (rkv/probe.py). rkv.plan reads the profile
-(ResidencyConfig(profile_path=...), default ~/.cache/rkv/profile.json).
+Measures host↔device device_put bandwidth and its per-put fixed cost (pinned_host ↔ device),
+small-copy latency, the device decode-attention rate, host memory read bandwidth, and — over a
+real RollingKV with a pinned_host tail — the cpu tactic's CPU branch at several tail sizes (rate
+and fixed cost) and both hybrid sides running at once (each side's rate under contention)
+(rkv/probe.py). rkv.plan reads the profile (ResidencyConfig(profile_path=...), default
+~/.cache/rkv/profile.json).
 
 Example (H200):
   .venv/bin/python -m experiments.probe --out=benchmarks/results/profile_h200.json
 CPU smoke run (small sizes):
   .venv/bin/python -m experiments.probe --transfer_mib=1,4 --attn_kv_lens=512,2048 \
       --num_heads=4 --num_kv_heads=2 --head_dim=64 --dtype=float32 --cpu_kv_len=2048 \
-      --host_read_mib=16 --repeats=3 --out=/tmp/profile.json
+      --cpu_tile_cells=1024 --tail_tiles=1,4 --contention_tiles=4 --host_read_mib=16 \
+      --repeats=3 --out=/tmp/profile.json
 Any figure can be forced, e.g. --cpu_attn_gbps=20 (recorded as overridden in the profile).
 """
 
@@ -19,8 +22,9 @@ from absl import flags
 
 from rkv import probe
 
-_TRANSFER = flags.DEFINE_list("transfer_mib", ["64", "1024"],
-                              "device_put sizes (MiB); the largest gives pcie_gbps / d2h_gbps.")
+_TRANSFER = flags.DEFINE_list("transfer_mib", ["64", "256", "1024"],
+                              "device_put sizes (MiB): a line through the host->device times "
+                              "gives pcie_gbps and transfer_overhead_us; the largest, d2h_gbps.")
 _LATENCY = flags.DEFINE_float("latency_kib", 4, "Size of the small copy timed for its latency.")
 _KV_LENS = flags.DEFINE_list("attn_kv_lens", ["131072", "524288"],
                              "KV lengths of the decode-attention timings (a line is fit).")
@@ -33,14 +37,22 @@ _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"]
                           "rkv.attention backend timed.")
 _CPU = flags.DEFINE_bool("cpu", True, "Measure host-CPU attention (if its module exists).")
 _CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", 131072, "KV length of the CPU attention timing.")
-_CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", 32768, "Tail tile of the CPU attention timing.")
+_CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", 32768,
+                                 "Tail tile of the CPU timings and of the probe's RollingKV.")
+_TAIL_TILES = flags.DEFINE_list("tail_tiles", ["1", "4", "8"],
+                                "Tail sizes (tiles) of the cpu path's fit: cpu_attn_gbps and "
+                                "cpu_overhead_us.")
+_CONTENTION = flags.DEFINE_integer("contention_tiles", 8,
+                                   "Tiles of the hybrid contention step (0: not measured).")
+_CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
+                                    "CPU kernel threads (default: the tactics' default, all "
+                                    "cores but one; rkv.offload.cpu_attention.tail_threads).")
 _HOST_READ = flags.DEFINE_float("host_read_mib", 1024, "Buffer read to time host memory bandwidth.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs; the median is reported.")
 _OUT = flags.DEFINE_string("out", None, "Profile path (default ~/.cache/rkv/profile.json).")
 _OVERRIDES = {name: flags.DEFINE_float(name, None, f"Use this {name} instead of measuring it.")
-              for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us",
-                           "cpu_attn_gbps", "host_read_gbps", "copy_latency_us", "overlap")}
+              for name in probe.FIGURES}
 
 
 def main(argv):
@@ -50,12 +62,17 @@ def main(argv):
       attn_kv_lens=tuple(int(x) for x in _KV_LENS.value), batch=_BATCH.value,
       num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value,
       dtype=_DTYPE.value, impl=_IMPL.value, cpu=_CPU.value, cpu_kv_len=_CPU_KV_LEN.value,
-      cpu_tile_cells=_CPU_TILE.value, host_read_mib=_HOST_READ.value,
+      cpu_tile_cells=_CPU_TILE.value, tail_tiles=tuple(int(x) for x in _TAIL_TILES.value),
+      contention_tiles=_CONTENTION.value, cpu_threads=_CPU_THREADS.value,
+      host_read_mib=_HOST_READ.value,
       warmup=_WARMUP.value, repeats=_REPEATS.value,
       overrides={name: flag.value for name, flag in _OVERRIDES.items()})
   profile = probe.run_probe(cfg)
   path = profile.save(_OUT.value or probe.default_profile_path())
   print(profile.describe())
+  checks = probe.format_checks(profile)
+  if checks:
+    print(checks)
   print(f"wrote {path}")
 
 

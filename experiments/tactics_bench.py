@@ -16,7 +16,8 @@ CPU smoke run:
   .venv/bin/python -m experiments.tactics_bench --contexts=1024 --tile_cells=128 \
       --num_heads=4 --num_kv_heads=2 --head_dim=16 --dtype=float32 --warmup=0 --repeats=2 \
       --probe_transfer_mib=1 --probe_attn_kv_lens=256,1024 --probe_cpu_kv_len=1024 \
-      --probe_host_read_mib=4 --out=/tmp/tactics_bench.json
+      --probe_host_read_mib=4 --probe_tail_tiles=1,4 --probe_contention_tiles=4 \
+      --out=/tmp/tactics_bench.json
 """
 
 from absl import app, flags
@@ -42,11 +43,19 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed runs; the median is reported.")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON to model with instead of "
                                "probing in this run.")
-_P_TRANSFER = flags.DEFINE_list("probe_transfer_mib", ["64", "1024"], "Probe: device_put sizes.")
+_P_TRANSFER = flags.DEFINE_list("probe_transfer_mib", ["64", "256", "1024"],
+                                "Probe: device_put sizes (a line gives PCIe rate + fixed cost).")
 _P_KV_LENS = flags.DEFINE_list("probe_attn_kv_lens", ["131072", "524288"],
                                "Probe: device attention KV lengths.")
 _P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", 131072, "Probe: CPU attention KV length.")
 _P_READ = flags.DEFINE_float("probe_host_read_mib", 1024, "Probe: host read buffer (MiB).")
+_P_TAIL = flags.DEFINE_list("probe_tail_tiles", ["1", "4", "8"],
+                            "Probe: tail sizes (tiles) of the cpu tactic's rate + fixed cost fit.")
+_P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", 8,
+                                     "Probe: tiles of the hybrid contention step (0: none).")
+_CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
+                                    "CPU kernel threads of the cpu / hybrid rows and the probe "
+                                    "(default: the tactics' default, all cores but one).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/tactics_bench_h200.json", "JSON output path.")
 
 
@@ -61,7 +70,9 @@ def main(argv):
       warmup=_WARMUP.value, repeats=_REPEATS.value, profile_path=_PROFILE.value,
       probe_transfer_mib=tuple(float(x) for x in _P_TRANSFER.value),
       probe_attn_kv_lens=tuple(int(x) for x in _P_KV_LENS.value),
-      probe_cpu_kv_len=_P_CPU_KV.value, probe_host_read_mib=_P_READ.value)
+      probe_cpu_kv_len=_P_CPU_KV.value, probe_host_read_mib=_P_READ.value,
+      probe_tail_tiles=tuple(int(x) for x in _P_TAIL.value),
+      probe_contention_tiles=_P_CONTENTION.value, cpu_threads=_CPU_THREADS.value)
   result = tactics_bench.run(cfg)
   tactics_bench.write_json(result, _OUT.value)
   print(tactics_bench.format_table(result))

@@ -70,7 +70,10 @@ DEFAULT_MIN_TILE_CELLS = 4096
 DEFAULT_RESERVE_MIB = 2048
 POS_BYTES = 4  # int32 position per cell; every part's positions live on the device (rkv/cache.py)
 PROFILE_FORMAT = "rkv.Profile"
-PROFILE_VERSION = 1
+# Version 2 added the optional figures transfer_overhead_us, cpu_overhead_us, hybrid_pcie_gbps
+# and hybrid_cpu_gbps; a version-1 profile still loads (they are None: the model's fallbacks).
+PROFILE_VERSION = 2
+READABLE_PROFILE_VERSIONS = (1, 2)
 
 
 def default_profile_path() -> str:
@@ -100,23 +103,37 @@ def _check_positive(where: str, name: str, value, *, allow_none: bool = True, al
 # ----------------------------------------------------------------------------------------------
 # Profile: the measured figures the model uses
 # ----------------------------------------------------------------------------------------------
-_FIGURES = ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
-            "host_read_gbps", "copy_latency_us", "overlap")
+FIGURES = ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
+           "host_read_gbps", "copy_latency_us", "overlap", "transfer_overhead_us",
+           "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps")
+_OPTIONAL_RATES = ("cpu_attn_gbps", "host_read_gbps", "hybrid_pcie_gbps", "hybrid_cpu_gbps")
+_OPTIONAL_OVERHEADS = ("transfer_overhead_us", "cpu_overhead_us")
 
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
   """Measured figures of one machine (GB/s = 1e9 B/s). ``None``: not measured (a tactic that
-  needs it is not modeled).
+  needs it is not modeled, or the model falls back to a simpler formula: see each figure).
 
-  ``pcie_gbps``: host→device rate of the tail (pinned_host → device). ``d2h_gbps``: the reverse.
-  ``hbm_gbps``: the device attention's K/V read rate; ``attn_overhead_us``: its fixed cost per
-  call (decode time ≈ overhead + bytes / hbm). ``cpu_attn_gbps``: host-CPU attention over a host
-  tail, K/V bytes read per second. ``host_read_gbps``: host memory read bandwidth (caps CPU
-  attention, and CPU attention plus the DMA reads of a hybrid split). ``copy_latency_us``: fixed
-  cost of one small host↔device copy (the query out, the CPU partial back). ``overlap``: share of
-  the shorter of (device compute, tail) hidden under the longer: 1 = perfect overlap (the §6
-  model, a max), 0 = a sum. ``details``: raw measurements and the reason for each ``None``.
+  ``pcie_gbps``: host→device rate of the tail (pinned_host → device): with
+  ``transfer_overhead_us`` the slope of ``time = overhead + bytes / rate`` fitted over
+  ``device_put`` sizes, else the rate of the largest put. ``transfer_overhead_us``: the fixed cost
+  of one ``device_put`` (that fit's intercept); a streamed tail pays it once per call (None: 0).
+  ``d2h_gbps``: device→host. ``hbm_gbps``: the device attention's K/V read rate;
+  ``attn_overhead_us``: its fixed cost per call (decode time ≈ overhead + bytes / hbm).
+  ``cpu_attn_gbps``: host-CPU attention over a host tail, K/V bytes read per second; with
+  ``cpu_overhead_us`` the slope of ``time = overhead + bytes / rate`` fitted over tail sizes
+  through the cpu tactic's own path (kernel over pinned_host tiles in its worker thread, the
+  query's copy down and the partial's copy up). ``cpu_overhead_us``: that fit's intercept; it
+  includes the partial copies, so the model then adds no separate partial copy (None: the model
+  adds :func:`partial_copy_time` instead). ``hybrid_pcie_gbps`` / ``hybrid_cpu_gbps``: each
+  side's rate while the DMA stream and the CPU kernel run at the same time on disjoint tiles
+  (they share host memory bandwidth and the cores; None: the side's solo rate).
+  ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
+  DMA reads of a hybrid split). ``copy_latency_us``: fixed cost of one small host↔device copy
+  (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
+  tail) hidden under the longer: 1 = perfect overlap (the §6 model, a max), 0 = a sum.
+  ``details``: raw measurements and the reason for each ``None``.
   """
 
   pcie_gbps: float
@@ -127,6 +144,10 @@ class Profile:
   host_read_gbps: float | None = None
   copy_latency_us: float = 0.0
   overlap: float = 1.0
+  transfer_overhead_us: float | None = None
+  cpu_overhead_us: float | None = None
+  hybrid_pcie_gbps: float | None = None
+  hybrid_cpu_gbps: float | None = None
   device: str = ""
   source: str = ""
   # Not part of equality or the hash: a config holding a profile stays hashable.
@@ -135,30 +156,38 @@ class Profile:
   def __post_init__(self):
     for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps"):
       _check_positive("Profile", name, getattr(self, name), allow_none=False)
-    for name in ("cpu_attn_gbps", "host_read_gbps"):
+    for name in _OPTIONAL_RATES:
       _check_positive("Profile", name, getattr(self, name))
     for name in ("attn_overhead_us", "copy_latency_us"):
       _check_positive("Profile", name, getattr(self, name), allow_none=False, allow_zero=True)
+    for name in _OPTIONAL_OVERHEADS:
+      _check_positive("Profile", name, getattr(self, name), allow_zero=True)
     if not _is_num(self.overlap) or not 0.0 <= float(self.overlap) <= 1.0:
       raise ValueError(f"Profile: overlap must be in [0, 1], got {self.overlap!r}")
 
   def figures(self) -> dict[str, float | None]:
-    return {name: getattr(self, name) for name in _FIGURES}
+    return {name: getattr(self, name) for name in FIGURES}
 
   def replace(self, **overrides) -> "Profile":
     """A copy with the non-None ``overrides`` (figure name → value) applied."""
-    unknown = set(overrides) - set(_FIGURES) - {"device", "source"}
+    unknown = set(overrides) - set(FIGURES) - {"device", "source"}
     if unknown:
-      raise ValueError(f"Profile.replace: unknown figures {sorted(unknown)}; known: {_FIGURES}")
+      raise ValueError(f"Profile.replace: unknown figures {sorted(unknown)}; known: {FIGURES}")
     kw = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(self, **kw) if kw else self
 
   def describe(self) -> str:
     f = lambda x, unit, fmt="{:.4g}": "-" if x is None else fmt.format(x) + unit
-    return (f"PCIe {f(self.pcie_gbps, ' GB/s')} (d2h {f(self.d2h_gbps, ' GB/s')}), "
+    plus = lambda x, what: "" if x is None else f" + {x:.4g} us/{what}"
+    text = (f"PCIe {f(self.pcie_gbps, ' GB/s')}{plus(self.transfer_overhead_us, 'stream')} "
+            f"(d2h {f(self.d2h_gbps, ' GB/s')}), "
             f"HBM {f(self.hbm_gbps, ' GB/s')} + {f(self.attn_overhead_us, ' us')}/call, "
-            f"CPU attn {f(self.cpu_attn_gbps, ' GB/s')}, host read {f(self.host_read_gbps, ' GB/s')}, "
-            f"copy latency {f(self.copy_latency_us, ' us')}, overlap {self.overlap:g}")
+            f"CPU attn {f(self.cpu_attn_gbps, ' GB/s')}{plus(self.cpu_overhead_us, 'call')}, ")
+    if self.hybrid_pcie_gbps is not None or self.hybrid_cpu_gbps is not None:
+      text += (f"hybrid (contended) PCIe {f(self.hybrid_pcie_gbps, ' GB/s')} CPU "
+               f"{f(self.hybrid_cpu_gbps, ' GB/s')}, ")
+    return text + (f"host read {f(self.host_read_gbps, ' GB/s')}, "
+                   f"copy latency {f(self.copy_latency_us, ' us')}, overlap {self.overlap:g}")
 
   def to_json(self) -> dict:
     return dict(format=PROFILE_FORMAT, version=PROFILE_VERSION, **dataclasses.asdict(self))
@@ -168,9 +197,9 @@ class Profile:
     if not isinstance(data, Mapping) or data.get("format") != PROFILE_FORMAT:
       raise ValueError(f"{where}: not an {PROFILE_FORMAT} document (format="
                        f"{data.get('format') if isinstance(data, Mapping) else None!r})")
-    if data.get("version") != PROFILE_VERSION:
+    if data.get("version") not in READABLE_PROFILE_VERSIONS:
       raise ValueError(f"{where}: profile version {data.get('version')!r}, this rkv reads "
-                       f"version {PROFILE_VERSION}")
+                       f"versions {READABLE_PROFILE_VERSIONS}")
     names = {f.name for f in dataclasses.fields(cls)}
     missing = [n for n in ("pcie_gbps", "d2h_gbps", "hbm_gbps") if n not in data]
     if missing:
@@ -202,28 +231,39 @@ class Profile:
     return cls.from_json(data, where=f"Profile.load({path})")
 
 
-# The H200 of DESIGN.md §5 (jax 0.11.2, bf16, PCIe Gen5 x16).
+# The H200 of DESIGN.md §5 (jax 0.11.2, bf16, PCIe Gen5 x16): the figures rkv.probe measured on
+# it (benchmarks/results/profile_h200.json, probe format version 1), except where noted.
 H200_DEFAULT = Profile(
-    # §5 "tail streamed inside one jit, scan of 32K-cell tiles: 48.5 GB/s" (the rate a streamed
-    # tail sees; a bare device_put of 1 GiB reaches 52.4); device→host 52.9 GB/s.
-    pcie_gbps=48.5, d2h_gbps=52.9,
-    # Fit of rkv's Pallas decode kernel, B=1 H=32 K=8 D=128 bf16 (benchmarks/results/
-    # kernel_bench_h200_sweep2.json: 136.2 us at 128K keys, 495.6 us at 512K): 4.48 TB/s + 16 us
-    # a call, which also predicts the 32K row (46 us vs 46.3 measured). (§5's older cuDNN row,
-    # 2.0/2.7 TB/s, came from a slower run: ±15% run-to-run spread.)
-    hbm_gbps=4480.0, attn_overhead_us=16.0,
-    # §5 "host CPU (16 cores): jnp bf16 attention over a host tail: 1.8 GB/s".
-    cpu_attn_gbps=1.8,
-    host_read_gbps=None,
-    # Not measured on the H200: an assumed small-copy round of a CUDA memcpy plus its launch.
-    copy_latency_us=20.0,
+    # The 1 GiB pinned_host → device device_put (median): 52.79 GB/s; device→host 52.52. That
+    # probe's two sizes (64 MiB: 1.985 ms, 1 GiB: 20.34 ms) fit 54.84 GB/s + 761 us a put, which
+    # the streamed tails of benchmarks/results/tactics_bench_h200_run1.json (270 MB to 3.2 GB)
+    # followed within 1% (one put's fixed cost per call): kept in details, not used here, since
+    # transfer_overhead_us was not a probed figure then (None: the rate alone, which that fit
+    # keeps within 4% from 1 GiB up). A profile from today's probe carries both.
+    pcie_gbps=52.79, d2h_gbps=52.52,
+    # Decode attention fit (rkv.attention, B=1 H=32 K=8 D=128 bf16, 128K and 512K keys).
+    hbm_gbps=4635.0, attn_overhead_us=22.0,
+    # rkv.offload.cpu_attention.measure_cpu_attention (the C kernel over numpy memory, 128K cells,
+    # best of 7): 56.1 GB/s. Its fixed cost through the cpu tactic's path was not measured by that
+    # probe (cpu_overhead_us None: the model adds the partial copy instead).
+    cpu_attn_gbps=56.08,
+    # measure_host_read_bandwidth, 1 GiB; noisy: 95.5 and 126.6 GB/s in two runs (the lower kept).
+    host_read_gbps=95.5,
+    # A 4 KiB pinned_host → device device_put (median): 197 us.
+    copy_latency_us=196.7,
     # §6: the model is the max (perfect overlap); §5 measured ~20% hidden for a naive jit.
     overlap=1.0,
-    device="NVIDIA H200", source="H200_DEFAULT (DESIGN.md §5, kernel_bench_h200_sweep2.json)",
+    # Not measured by that probe: the fixed costs and each side's rate while the hybrid runs both.
+    transfer_overhead_us=None, cpu_overhead_us=None, hybrid_pcie_gbps=None, hybrid_cpu_gbps=None,
+    device="NVIDIA H200",
+    source="H200_DEFAULT (benchmarks/results/profile_h200.json, DESIGN.md §5)",
     details=dict(
-        host_read_gbps="not measured on the H200 host",
-        copy_latency_us="assumed, not measured (run experiments/probe.py on the machine)",
-        h2d_device_put_gbps={"64MiB": 37.8, "1GiB": 52.4}))
+        transfer_overhead_us="not probed on the H200; its device_put rows fit 761 us + bytes / "
+                             "54.84 GB/s",
+        cpu_overhead_us="not measured on the H200 (run experiments/probe.py there)",
+        hybrid_pcie_gbps="not measured on the H200 (run experiments/probe.py there)",
+        hybrid_cpu_gbps="not measured on the H200 (run experiments/probe.py there)",
+        h2d_device_put_gbps={"64MiB": 33.8, "1GiB": 52.8}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,43 +309,114 @@ def resident_time(nbytes: float, profile: Profile) -> float:
   return device_time(nbytes, profile)
 
 
+def transfer_time(nbytes: float, profile: Profile, rate_gbps: float | None = None) -> float:
+  """Seconds to stream ``nbytes`` of tail tiles host→device in one call: ``transfer_overhead +
+  bytes / PCIe`` (``rate_gbps`` replaces PCIe, e.g. the hybrid's contended rate).
+
+  One fixed cost per call, not per tile: the stream schedule keeps ``lookahead`` transfers queued,
+  so every put's fixed cost after the first hides behind the transfers ahead of it (on the H200
+  a 25-tile stream took the one-put fit's time within 1%). No bytes, no cost."""
+  if nbytes <= 0:
+    return 0.0
+  overhead = profile.transfer_overhead_us or 0.0
+  return overhead * 1e-6 + nbytes / ((rate_gbps or profile.pcie_gbps) * GB)
+
+
+def cpu_tail_time(nbytes: float, profile: Profile, rate: float | None = None) -> float | None:
+  """Seconds of the CPU branch of the cpu / hybrid tactics over ``nbytes`` of tail:
+  ``cpu_overhead + bytes / CPU`` (``rate`` in bytes/s replaces :func:`cpu_rate`); None without a
+  CPU figure. No bytes, no cost (the branch does not run)."""
+  rate = cpu_rate(profile) if rate is None else rate
+  if rate is None:
+    return None
+  if nbytes <= 0:
+    return 0.0
+  return (profile.cpu_overhead_us or 0.0) * 1e-6 + nbytes / rate
+
+
+def _cpu_copy_s(profile: Profile, partial_copy_s: float) -> float:
+  # A measured cpu_overhead was taken through the path that copies q down and the partial up:
+  # adding the modeled copy again would count it twice.
+  return partial_copy_s if profile.cpu_overhead_us is None else 0.0
+
+
 def stream_time(window_bytes: float, tail_bytes: float, profile: Profile) -> float:
-  """Streamed tail: ``max(Bw / HBM, Bt / PCIe)``."""
-  return combine(device_time(window_bytes, profile), tail_bytes / (profile.pcie_gbps * GB),
+  """Streamed tail: ``max(Bw / HBM, transfer_overhead + Bt / PCIe)``."""
+  return combine(device_time(window_bytes, profile), transfer_time(tail_bytes, profile),
                  profile.overlap)
 
 
 def cpu_time(window_bytes: float, tail_bytes: float, profile: Profile,
              partial_copy_s: float = 0.0) -> float | None:
-  """CPU tail: ``max(Bw / HBM, Bt / CPU_attn) + partial copy``; None without a CPU figure."""
-  rate = cpu_rate(profile)
-  if rate is None:
+  """CPU tail: ``max(Bw / HBM, cpu_overhead + Bt / CPU_attn)``, plus ``partial_copy_s`` when the
+  profile has no ``cpu_overhead_us`` (a measured overhead already holds the copies); None without
+  a CPU figure."""
+  tail_s = cpu_tail_time(tail_bytes, profile)
+  if tail_s is None:
     return None
-  return combine(device_time(window_bytes, profile), tail_bytes / rate,
-                 profile.overlap) + partial_copy_s
+  return (combine(device_time(window_bytes, profile), tail_s, profile.overlap)
+          + _cpu_copy_s(profile, partial_copy_s))
+
+
+def hybrid_rates(profile: Profile, contended: bool = True) -> tuple[float, float] | None:
+  """``(PCIe GB/s, CPU bytes/s)`` of a hybrid's two sides: while both run (``contended``) the
+  profile's ``hybrid_pcie_gbps`` / ``hybrid_cpu_gbps`` where measured, else (and for a side
+  running alone) the solo rates. None without a CPU figure."""
+  crate = cpu_rate(profile)
+  if crate is None:
+    return None
+  prate = profile.pcie_gbps
+  if contended and profile.hybrid_pcie_gbps is not None:
+    prate = profile.hybrid_pcie_gbps
+  if contended and profile.hybrid_cpu_gbps is not None:
+    crate = profile.hybrid_cpu_gbps * GB
+  return prate, crate
+
+
+def hybrid_tail_time(stream_bytes: float, cpu_bytes: float, profile: Profile) -> float | None:
+  """Seconds of a hybrid's tail part, ``stream_bytes`` streamed while the CPU attends
+  ``cpu_bytes``: the slower side (:func:`transfer_time`, :func:`cpu_tail_time`; contended rates
+  when both sides run), at least all the bytes over ``host_read`` (the DMA and the CPU read the
+  same host memory). None without a CPU figure."""
+  rates = hybrid_rates(profile, contended=stream_bytes > 0 and cpu_bytes > 0)
+  if rates is None:
+    return None
+  prate, crate = rates
+  floor_s = (0.0 if profile.host_read_gbps is None
+             else (stream_bytes + cpu_bytes) / (profile.host_read_gbps * GB))
+  return max(transfer_time(stream_bytes, profile, prate), cpu_tail_time(cpu_bytes, profile, crate),
+             floor_s)
+
+
+def _balanced_fraction(tail_bytes: float, profile: Profile) -> float:
+  """The streamed share ``f`` at which both sides finish together under contention:
+  ``xo + f Bt / P = co + (1 - f) Bt / C`` (``xo``, ``co`` the fixed costs; without them
+  ``f = P / (P + C)``), clipped to [0, 1]."""
+  prate, crate = hybrid_rates(profile)
+  p_s, c_s = tail_bytes / (prate * GB), tail_bytes / crate
+  xo = (profile.transfer_overhead_us or 0.0) * 1e-6
+  co = (profile.cpu_overhead_us or 0.0) * 1e-6
+  return min(1.0, max(0.0, (c_s + co - xo) / (p_s + c_s)))
 
 
 def hybrid_split(tail_bytes: float, profile: Profile,
                  tile_bytes: float | None = None) -> tuple[float, float] | None:
   """``(fraction of the tail streamed, seconds of the tail part)`` with both sides finishing
-  together: ``f = PCIe / (PCIe + CPU)``, time ``Bt / (PCIe + CPU)``, at least ``Bt / host_read``
-  (the DMA and the CPU read the same host memory). With ``tile_bytes`` the split is in whole
-  tiles (the tail is stored in tiles): the better of rounding ``f * n`` down or up. None without a
-  CPU figure."""
-  crate = cpu_rate(profile)
-  if crate is None:
+  together under contention (:func:`_balanced_fraction`; without fixed costs or contended rates
+  ``f = PCIe / (PCIe + CPU)`` and the time ``Bt / (PCIe + CPU)``), at least ``Bt / host_read``.
+  With ``tile_bytes`` the split is in whole tiles (the tail is stored in tiles): the better of
+  rounding ``f * n`` down or up, timed by :func:`hybrid_tail_time`. None without a CPU figure."""
+  if cpu_rate(profile) is None:
     return None
-  prate = profile.pcie_gbps * GB
-  floor_s = 0.0 if profile.host_read_gbps is None else tail_bytes / (profile.host_read_gbps * GB)
   if tail_bytes <= 0:
     return 1.0, 0.0
-  f = prate / (prate + crate)
+  f = _balanced_fraction(tail_bytes, profile)
   if tile_bytes is None or tile_bytes <= 0:
-    return f, max(tail_bytes / (prate + crate), floor_s)
+    return f, hybrid_tail_time(f * tail_bytes, (1.0 - f) * tail_bytes, profile)
   n = max(1, round(tail_bytes / tile_bytes))
   best = None
   for n_gpu in sorted({min(n, max(0, math.floor(f * n))), min(n, max(0, math.ceil(f * n)))}):
-    t = max(n_gpu * tile_bytes / prate, (n - n_gpu) * tile_bytes / crate, floor_s)
+    t = hybrid_tail_time(n_gpu * tile_bytes, (n - n_gpu) * tile_bytes, profile)
     if best is None or t < best[1]:
       best = (n_gpu / n, t)
   return best
@@ -314,17 +425,41 @@ def hybrid_split(tail_bytes: float, profile: Profile,
 def hybrid_time(window_bytes: float, tail_bytes: float, profile: Profile,
                 partial_copy_s: float = 0.0,
                 tile_bytes: float | None = None) -> tuple[float | None, float | None]:
-  """Hybrid: ``max(Bw / HBM, Bt / (PCIe + CPU)) + partial copy``; returns ``(seconds, fraction
-  streamed)``, ``(None, None)`` without a CPU figure."""
+  """Hybrid: ``max(Bw / HBM, tail part of hybrid_split)`` (without fixed costs or contended
+  rates the tail part is ``Bt / (PCIe + CPU)``), plus ``partial_copy_s`` when the profile has no
+  ``cpu_overhead_us``; returns ``(seconds, fraction streamed)``, ``(None, None)`` without a CPU
+  figure."""
   split = hybrid_split(tail_bytes, profile, tile_bytes)
   if split is None:
     return None, None
   f, tail_s = split
-  return combine(device_time(window_bytes, profile), tail_s, profile.overlap) + partial_copy_s, f
+  return (combine(device_time(window_bytes, profile), tail_s, profile.overlap)
+          + _cpu_copy_s(profile, partial_copy_s), f)
+
+
+def hybrid_time_at(window_bytes: float, tile_bytes: float, n_tiles: int, n_cpu: int,
+                   profile: Profile, partial_copy_s: float = 0.0) -> float | None:
+  """The modeled step of a hybrid with ``n_cpu`` of ``n_tiles`` tiles on the CPU and the others
+  streamed (a fixed split, e.g. one the benchmark measures): ``n_cpu == 0`` is the stream
+  tactic, ``n_cpu == n_tiles`` the cpu tactic; in between ``max(Bw / HBM, hybrid_tail_time)`` +
+  the copy as in :func:`hybrid_time`. None without a CPU figure (unless nothing is on the CPU)."""
+  if n_cpu <= 0:
+    return stream_time(window_bytes, n_tiles * tile_bytes, profile)
+  if n_cpu >= n_tiles:
+    return cpu_time(window_bytes, n_tiles * tile_bytes, profile, partial_copy_s)
+  tail_s = hybrid_tail_time((n_tiles - n_cpu) * tile_bytes, n_cpu * tile_bytes, profile)
+  if tail_s is None:
+    return None
+  return (combine(device_time(window_bytes, profile), tail_s, profile.overlap)
+          + _cpu_copy_s(profile, partial_copy_s))
 
 
 def head_time(resident_bytes: float, streamed_bytes: float, profile: Profile) -> float:
-  """Head split: ``max(resident heads' bytes / HBM, streamed heads' bytes / PCIe)``."""
+  """Head split: ``max(resident heads' bytes / HBM, transfer_overhead + streamed bytes / PCIe)``.
+  Its tiles carry only the rolled heads, so they are smaller than the stream tactic's; a put's
+  fixed cost still hides behind the ``lookahead`` transfers queued ahead of it as long as it is
+  shorter than them (about 4 x 0.8 ms for a 3-of-8-head 29K-cell tile on the H200), so one
+  fixed cost per call is what is modeled (:func:`transfer_time`)."""
   return stream_time(resident_bytes, streamed_bytes, profile)
 
 
@@ -484,6 +619,10 @@ class ResidencyConfig:
   host_read_gbps: float | None = None
   copy_latency_us: float | None = None
   overlap: float | None = None
+  transfer_overhead_us: float | None = None
+  cpu_overhead_us: float | None = None
+  hybrid_pcie_gbps: float | None = None
+  hybrid_cpu_gbps: float | None = None
 
   def __post_init__(self):
     where = "ResidencyConfig"
@@ -509,9 +648,9 @@ class ResidencyConfig:
     if self.profile is not None and not isinstance(self.profile, Profile):
       raise ValueError(f"{where}: profile must be a rkv.residency.Profile or None, got "
                        f"{type(self.profile).__name__}")
-    for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps", "cpu_attn_gbps", "host_read_gbps"):
+    for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps") + _OPTIONAL_RATES:
       _check_positive(where, name, getattr(self, name))
-    for name in ("attn_overhead_us", "copy_latency_us"):
+    for name in ("attn_overhead_us", "copy_latency_us") + _OPTIONAL_OVERHEADS:
       _check_positive(where, name, getattr(self, name), allow_zero=True)
     if self.overlap is not None and (not _is_num(self.overlap) or not 0 <= self.overlap <= 1):
       raise ValueError(f"{where}: overlap must be in [0, 1] or None, got {self.overlap!r}")
@@ -527,7 +666,7 @@ class ResidencyConfig:
       prof = Profile.load(default_profile_path())
     else:
       prof = H200_DEFAULT
-    return prof.replace(**{name: getattr(self, name) for name in _FIGURES})
+    return prof.replace(**{name: getattr(self, name) for name in FIGURES})
 
 
 @dataclasses.dataclass(frozen=True)

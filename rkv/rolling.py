@@ -29,9 +29,10 @@ a :class:`rkv.head_split.HeadSplitKV`):
 - ``"cpu"``: the tail's full tiles are attended on the host, where they live, by the C kernel
   :func:`rkv.offload.cpu_attention.cpu_attention_tail` (reads the ``pinned_host`` tiles in place;
   only ``q`` comes down to the host). The kernel runs in a worker thread (it releases the GIL and
-  is itself multi-threaded) started **before** the device partials (window, staging) are
-  dispatched, so host and device work overlap; its float32 ``(o, lse)`` then goes to the device
-  and merges exactly with the device partials. Needs concrete arrays: under an outer ``jax.jit``
+  is itself multi-threaded, by default on all cores but one: ``cpu_lib.tail_threads``) started
+  **before** the device partials (window, staging) are dispatched, so host and device work
+  overlap; its float32 ``(o, lse)`` then goes to the device and merges exactly with the device
+  partials. Needs concrete arrays: under an outer ``jax.jit``
   it raises ``ValueError``.
 - ``"hybrid"``: the last ``floor(cpu_fraction * n + 0.5)`` full tiles go to the CPU kernel
   (``tiles=(start, n)``), the first ones stream through the schedule, both at once; exact merge.
@@ -214,7 +215,9 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   ``floor(cpu_fraction * n_full_tiles + 0.5)`` tiles to the CPU and streams the others, concurrently.
   ``"cpu"`` and ``"hybrid"`` need concrete arrays (``ValueError`` under an outer ``jax.jit``).
   ``cpu_fraction``: ``"hybrid"`` only, in [0, 1], default 0.5. ``cpu_threads``: the CPU kernel's
-  threads (default: OpenMP's). ``impl``: the backend of every
+  threads (default :func:`rkv.offload.cpu_attention.tail_threads`: OpenMP's default minus one,
+  leaving a core to the thread that dispatches the device work; ``$RKV_CPU_TAIL_THREADS``
+  overrides it for the process). ``impl``: the backend of every
   device partial (``"pallas"`` on GPU via ``"auto"``). ``schedule``: ``"eager"`` (default;
   per-tile eager transfers overlapping separately dispatched partials) or ``"unrolled"`` (one
   jitted program); under an outer ``jax.jit`` ``"eager"`` falls back to ``"unrolled"``.
@@ -272,7 +275,7 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads):
   future = _executor().submit(
       cpu_lib.cpu_attention_tail, q, kv, q_pos=q_pos, causal=static["causal"],
       window=static["window"], softcap=static["softcap"], scale=static["scale"],
-      num_threads=cpu_threads, tiles=(n_stream, n_tiles))
+      num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
   device = None
   try:
     if n_stream or static["use_window"] or static["use_staging"]:

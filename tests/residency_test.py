@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import os
+import subprocess
 import sys
 import types
 
@@ -225,6 +228,71 @@ def test_model_formulas_by_hand():
   assert t.cpu is None and t.hybrid is None and t.hybrid_fraction is None
 
 
+def test_fixed_costs_by_hand():
+  bw, bt = 1e9, 2e9
+  p = dataclasses.replace(FLAT, transfer_overhead_us=100.0, cpu_overhead_us=500.0)
+  t = modeled_times(bw, bt, p, partial_copy_s=1e-3, head_bytes=(1.5e9, 1.5e9))
+  # One put's fixed cost per streamed call; none without a tail.
+  assert t.stream == pytest.approx(100e-6 + 40e-3)
+  assert t.head == pytest.approx(100e-6 + 30e-3)
+  assert rz.transfer_time(0, p) == 0.0 and rz.stream_time(bw, 0, p) == pytest.approx(1e-3)
+  # The measured CPU fixed cost holds the partial copies: partial_copy_s is not added again.
+  assert t.cpu == pytest.approx(500e-6 + 80e-3)
+  # Hybrid: both sides finish together with their fixed costs, xo + f Bt/P = co + (1-f) Bt/C:
+  # f = (80 ms + 0.4 ms) / (40 ms + 80 ms) = 0.67, the tail part xo + f * 40 ms = 26.9 ms.
+  assert t.hybrid_fraction == pytest.approx(80.4 / 120)
+  assert t.hybrid == pytest.approx(100e-6 + 80.4 / 120 * 40e-3)
+  # In whole tiles (4 of 0.5 GB): f n = 2.68 -> 3 streamed: max(0.1 + 30, 0.5 + 20) ms.
+  t = modeled_times(bw, bt, p, tile_bytes=0.5e9)
+  assert t.hybrid_fraction == 0.75 and t.hybrid == pytest.approx(100e-6 + 30e-3)
+  # A large CPU fixed cost moves tiles to the stream: at 30 ms, f = (80 + 29.9) / 120 = 0.916,
+  # f n = 3.66: 3 streamed is max(30.1, 30 + 20) = 50 ms, all 4 (the stream tactic) 40.1 ms.
+  p2 = dataclasses.replace(p, cpu_overhead_us=30_000.0)
+  f, tail_s = rz.hybrid_split(bt, p2, tile_bytes=0.5e9)
+  assert f == 1.0 and tail_s == pytest.approx(100e-6 + 40e-3)
+
+
+def test_contended_rates_by_hand():
+  bw, bt = 1e9, 2e9
+  # The CPU side at half its solo rate while the DMA runs: f = 50 / (50 + 12.5) = 0.8 and the
+  # tail part Bt / 62.5 GB/s = 32 ms (solo rates: f = 2/3, 26.7 ms).
+  p = dataclasses.replace(FLAT, hybrid_cpu_gbps=12.5)
+  t = modeled_times(bw, bt, p)
+  assert t.hybrid_fraction == pytest.approx(0.8) and t.hybrid == pytest.approx(32e-3)
+  # In 10 tiles of 0.2 GB the split moves from 7 streamed (solo: max(28, 24) ms) to 8.
+  assert modeled_times(bw, bt, FLAT, tile_bytes=0.2e9).hybrid_fraction == pytest.approx(0.7)
+  t = modeled_times(bw, bt, p, tile_bytes=0.2e9)
+  assert t.hybrid_fraction == pytest.approx(0.8) and t.hybrid == pytest.approx(32e-3)
+  # Both sides contended.
+  p = dataclasses.replace(FLAT, hybrid_pcie_gbps=40.0, hybrid_cpu_gbps=20.0)
+  f, tail_s = rz.hybrid_split(bt, p)
+  assert f == pytest.approx(40 / 60) and tail_s == pytest.approx(bt / 60e9)
+  # A fixed split: contended rates only while both sides run; all-CPU is the cpu tactic, none the
+  # stream tactic.
+  assert rz.hybrid_time_at(bw, 0.5e9, 4, 1, p) == pytest.approx(max(1.5e9 / 40e9, 0.5e9 / 20e9))
+  assert rz.hybrid_time_at(bw, 0.5e9, 4, 4, p) == pytest.approx(rz.cpu_time(bw, bt, p))
+  assert rz.hybrid_time_at(bw, 0.5e9, 4, 4, p) == pytest.approx(2e9 / 25e9)
+  assert rz.hybrid_time_at(bw, 0.5e9, 4, 0, p) == pytest.approx(rz.stream_time(bw, bt, p))
+  # The host-read floor still caps the sum.
+  p = dataclasses.replace(p, host_read_gbps=20.0)
+  assert rz.hybrid_split(bt, p)[1] == pytest.approx(bt / 20e9)
+
+
+def test_new_figures_fall_back_when_none():
+  # None is the old model: no fixed costs, solo rates in the hybrid, the partial copy added.
+  bw, bt, copy = 1e9, 2e9, 1e-3
+  same = dataclasses.replace(FLAT, transfer_overhead_us=0.0, hybrid_pcie_gbps=50.0,
+                             hybrid_cpu_gbps=25.0)
+  for tiles in (None, 0.5e9):
+    a = modeled_times(bw, bt, FLAT, partial_copy_s=copy, tile_bytes=tiles)
+    b = modeled_times(bw, bt, same, partial_copy_s=copy, tile_bytes=tiles)
+    assert a == b
+  assert FLAT.cpu_overhead_us is None
+  assert rz.cpu_time(bw, bt, FLAT, copy) == pytest.approx(80e-3 + copy)
+  zero = dataclasses.replace(FLAT, cpu_overhead_us=0.0)  # measured: the copies are inside
+  assert rz.cpu_time(bw, bt, zero, copy) == pytest.approx(80e-3)
+
+
 def test_partial_copy_by_hand():
   p = dataclasses.replace(FLAT, copy_latency_us=5.0)
   got = rz.partial_copy_time(p, batch=2, num_heads=8, head_dim=64, q_itemsize=2)
@@ -312,13 +380,69 @@ def test_profile_roundtrip_and_overrides(tmp_path):
   assert p.profile.pcie_gbps == 7.0
 
 
+def test_profile_new_figures_roundtrip_and_old_format(tmp_path):
+  prof = dataclasses.replace(FLAT, transfer_overhead_us=700.0, cpu_overhead_us=900.0,
+                             hybrid_pcie_gbps=45.0, hybrid_cpu_gbps=20.0)
+  path = prof.save(str(tmp_path / "v2.json"))
+  doc = json.load(open(path))
+  assert doc["version"] == rz.PROFILE_VERSION == 2 and doc["cpu_overhead_us"] == 900.0
+  assert Profile.load(path) == prof
+  text = prof.describe()
+  for piece in ("PCIe 50 GB/s + 700 us/stream", "CPU attn 25 GB/s + 900 us/call",
+                "hybrid (contended) PCIe 45 GB/s CPU 20 GB/s"):
+    assert piece in text
+  # A version-1 profile (written before the new figures) still loads: they are None.
+  old = {k: v for k, v in doc.items() if k not in ("transfer_overhead_us", "cpu_overhead_us",
+                                                   "hybrid_pcie_gbps", "hybrid_cpu_gbps")}
+  old["version"] = 1
+  (tmp_path / "v1.json").write_text(json.dumps(old))
+  loaded = Profile.load(str(tmp_path / "v1.json"))
+  assert loaded == FLAT and loaded.cpu_overhead_us is None and loaded.hybrid_cpu_gbps is None
+  assert "us/stream" not in loaded.describe() and "contended" not in loaded.describe()
+  (tmp_path / "v9.json").write_text(json.dumps(dict(old, version=9)))
+  with pytest.raises(ValueError, match="version"):
+    Profile.load(str(tmp_path / "v9.json"))
+  # Every figure, the new ones included, is a ResidencyConfig override.
+  c = ResidencyConfig(profile=FLAT, transfer_overhead_us=1.0, cpu_overhead_us=2.0,
+                      hybrid_pcie_gbps=3.0, hybrid_cpu_gbps=4.0)
+  got = c.resolve_profile()
+  assert (got.transfer_overhead_us, got.cpu_overhead_us, got.hybrid_pcie_gbps,
+          got.hybrid_cpu_gbps) == (1.0, 2.0, 3.0, 4.0)
+  assert set(rz.FIGURES) <= {f.name for f in dataclasses.fields(ResidencyConfig)}
+  for bad in (dict(cpu_overhead_us=-1.0), dict(hybrid_cpu_gbps=0.0), dict(hybrid_pcie_gbps=-2)):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      ResidencyConfig(**bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      dataclasses.replace(FLAT, **bad)
+
+
 def test_default_profile(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path))
   assert rz.default_profile_path() == str(tmp_path / ".cache" / "rkv" / "profile.json")
   assert ResidencyConfig().resolve_profile() == rz.H200_DEFAULT
   FLAT.save(rz.default_profile_path())
   assert ResidencyConfig().resolve_profile() == FLAT
-  assert rz.H200_DEFAULT.pcie_gbps == 48.5 and rz.H200_DEFAULT.cpu_attn_gbps == 1.8
+
+
+def test_h200_default_is_the_measured_profile():
+  # The built-in figures are the probe's H200 measurements, rounded; figures that probe did not
+  # measure stay None (its device_put rows' fixed cost is only recorded in details).
+  from rkv import probe
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                      "profile_h200.json")
+  if not os.path.isfile(path):
+    pytest.skip(f"{path} not present")
+  measured = json.load(open(path))
+  d = rz.H200_DEFAULT
+  for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
+               "host_read_gbps", "copy_latency_us"):
+    assert getattr(d, name) == pytest.approx(measured[name], rel=2e-3), name
+  for name in NEW_FIGURES:
+    assert getattr(d, name) is None and name in d.details, name
+  rows = measured["details"]["h2d"]
+  overhead, rate, how = probe.fit_cost([r["bytes"] for r in rows], [r["median_s"] for r in rows])
+  assert how == "fit" and f"{overhead * 1e6:.0f} us" in d.details["transfer_overhead_us"]
+  assert f"{rate / 1e9:.2f} GB/s" in d.details["transfer_overhead_us"]
 
 
 def test_bad_profiles(tmp_path):
@@ -454,3 +578,85 @@ def test_fit_line():
   from rkv import probe
   assert probe.fit_line([1.0, 3.0], [12.0, 16.0]) == pytest.approx((10.0, 2.0))
   assert probe.fit_line([4.0], [2.0]) == pytest.approx((0.0, 0.5))
+
+
+def test_fit_cost():
+  from rkv import probe
+  # 1 ms + bytes / 50 GB/s, exactly.
+  xs = [1e8, 4e8, 8e8]
+  overhead, rate, how = probe.fit_cost(xs, [1e-3 + x / 50e9 for x in xs])
+  assert (overhead, rate, how) == (pytest.approx(1e-3), pytest.approx(50e9), "fit")
+  # Noise at small sizes: a negative intercept -> the line through the origin, no overhead.
+  overhead, rate, how = probe.fit_cost([1.0, 2.0], [0.5, 2.0])
+  assert how == "origin" and overhead == 0.0 and rate == pytest.approx(5 / 4.5)
+  # No positive slope -> the largest point's rate.
+  overhead, rate, how = probe.fit_cost([1.0, 2.0], [2.0, 1.0])
+  assert how == "largest" and overhead == 0.0 and rate == pytest.approx(2.0)
+
+
+NEW_FIGURES = ("transfer_overhead_us", "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps")
+
+
+def test_probe_tail_paths_smoke():
+  # The cpu tactic's path over a real pinned_host tail and the contention step, at tiny sizes on
+  # CPU: every figure is measured (finite; rates positive, fixed costs >= 0), timing is not tested.
+  from rkv import probe
+  from rkv.offload import cpu_attention as cpu_lib
+  prof = probe.run_probe(tiny_probe(cpu=True, cpu_kv_len=1024, cpu_tile_cells=1024,
+                                    tail_tiles=(1, 4), contention_tiles=4, host_read_mib=1))
+  for name in ("pcie_gbps", "cpu_attn_gbps", "hybrid_pcie_gbps", "hybrid_cpu_gbps"):
+    val = getattr(prof, name)
+    assert val is not None and math.isfinite(val) and val > 0, name
+  for name in ("transfer_overhead_us", "cpu_overhead_us"):
+    val = getattr(prof, name)
+    assert val is not None and math.isfinite(val) and val >= 0, name
+  d = prof.details
+  assert d["tail"]["cpu_threads"] == cpu_lib.tail_threads()
+  assert d["tail"]["tile_bytes"] == 1024 * 2 * K * D * 4
+  rows = d["cpu_tail"]["rows"]
+  assert [r["tiles"] for r in rows] == [1, 4] and all(r["tactic_modeled_s"] > 0 for r in rows)
+  con = d["contention"]
+  assert con["tiles"] == 4 and 1 <= con["cpu_tiles"] <= 3
+  for key in ("stream_s", "cpu_s", "stream_alone_s", "cpu_alone_s", "hybrid_step_s",
+              "hybrid_modeled_s"):
+    assert con[key] > 0, key
+  assert "hybrid," in probe.format_checks(prof) and "cpu tactic" in probe.format_checks(prof)
+  # Saved and loaded whole; overrides win over the measured figures.
+  assert Profile.from_json(json.loads(json.dumps(prof.to_json(), default=str))) == prof
+  forced = probe.run_probe(tiny_probe(cpu=True, cpu_kv_len=1024, cpu_tile_cells=1024,
+                                      tail_tiles=(1, 2), contention_tiles=0, host_read_mib=1,
+                                      cpu_threads=1, overrides=dict(cpu_overhead_us=123.0,
+                                                                    hybrid_cpu_gbps=7.0)))
+  assert forced.cpu_overhead_us == 123.0 and forced.hybrid_cpu_gbps == 7.0
+  assert forced.details["overridden"]["cpu_overhead_us"]["used"] == 123.0
+  assert forced.hybrid_pcie_gbps is None and "skipped" in forced.details["contention"]
+  assert forced.details["tail"]["cpu_threads"] == 1
+
+
+def test_probe_config_checks():
+  for kw, name in ((dict(tail_tiles=(4, 4)), "tail_tiles"), (dict(contention_tiles=1),
+                   "contention_tiles"), (dict(cpu_threads=0), "cpu_threads"),
+                   (dict(overrides=dict(pcie=1.0)), "overrides")):
+    with pytest.raises(ValueError, match=name):
+      tiny_probe(**kw)
+
+
+def test_probe_script_flags(tmp_path):
+  # experiments/probe.py end to end at tiny sizes: a flag per figure overrides it, the new sizes
+  # reach the probe.
+  out = tmp_path / "profile.json"
+  cmd = [sys.executable, "-m", "experiments.probe", "--transfer_mib=0.25,1",
+         "--attn_kv_lens=256,1024", "--num_heads=4", "--num_kv_heads=2", "--head_dim=16",
+         "--dtype=float32", "--cpu_kv_len=512", "--cpu_tile_cells=512", "--tail_tiles=1,3",
+         "--contention_tiles=3", "--cpu_threads=1", "--host_read_mib=1", "--warmup=1",
+         "--repeats=2", "--transfer_overhead_us=11", "--hybrid_pcie_gbps=12", f"--out={out}"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  prof = Profile.load(str(out))
+  assert prof.transfer_overhead_us == 11.0 and prof.hybrid_pcie_gbps == 12.0
+  assert prof.cpu_overhead_us is not None and prof.hybrid_cpu_gbps is not None
+  cfg = prof.details["config"]
+  assert cfg["tail_tiles"] == [1, 3] and cfg["contention_tiles"] == 3 and cfg["cpu_threads"] == 1
+  assert "hybrid, " in run.stdout and "wrote" in run.stdout

@@ -275,3 +275,33 @@ def test_cpu_threads_passthrough(small):
   q, k, v, kv = small
   o, lse = rkv.rolling_attention(q, kv, tactic="cpu", cpu_threads=1, impl="xla")
   assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
+
+
+def test_cpu_tactics_leave_a_core_by_default(small, monkeypatch):
+  # The kernel of the cpu / hybrid tactics runs on OpenMP's threads minus one by default (the
+  # thread dispatching the device work keeps a core); cpu_threads and $RKV_CPU_TAIL_THREADS win.
+  q, k, v, kv = small
+  monkeypatch.delenv(cpu_lib.TAIL_THREADS_ENV, raising=False)
+  default = max(1, cpu_lib.max_threads() - cpu_lib.TAIL_RESERVED_THREADS)
+  assert cpu_lib.TAIL_RESERVED_THREADS == 1 and cpu_lib.tail_threads() == default
+  assert cpu_lib.tail_threads(3) == 3
+  seen = []
+  real = cpu_lib.cpu_attention_tail
+
+  def spy(*a, **kw):
+    seen.append(kw["num_threads"])
+    return real(*a, **kw)
+
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail", spy)
+  ref = rkv.attention(q, k, v, impl="reference")
+  for extra in (dict(tactic="cpu"), dict(tactic="hybrid", cpu_fraction=1.0),
+                dict(tactic="cpu", cpu_threads=2)):
+    assert_close("float32", *rkv.rolling_attention(q, kv, impl="xla", **extra), *ref)
+  monkeypatch.setenv(cpu_lib.TAIL_THREADS_ENV, "5")
+  assert cpu_lib.tail_threads() == 5
+  rkv.rolling_attention(q, kv, tactic="cpu", impl="xla")
+  assert seen == [default, default, 2, 5]
+  for bad in ("0", "two"):
+    monkeypatch.setenv(cpu_lib.TAIL_THREADS_ENV, bad)
+    with pytest.raises(ValueError, match=cpu_lib.TAIL_THREADS_ENV):
+      cpu_lib.tail_threads()

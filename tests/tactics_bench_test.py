@@ -30,6 +30,13 @@ def test_tactics_bench_tiny_on_cpu(tmp_path):
           "cpu_kernel"} <= set(loaded)
   prof = residency.Profile.from_json(loaded["profile"])
   assert prof.cpu_attn_gbps and prof.host_read_gbps
+  # The in-run probe's new figures: the cpu tactic's fixed cost and each hybrid side's rate under
+  # contention (one transfer size: no per-put fixed cost is fitted).
+  assert prof.cpu_overhead_us is not None and prof.hybrid_pcie_gbps and prof.hybrid_cpu_gbps
+  assert prof.transfer_overhead_us is None
+  assert set(loaded["figures"]) == set(residency.FIGURES)
+  assert loaded["figures"]["hybrid_cpu_gbps"] == prof.hybrid_cpu_gbps
+  assert prof.details["tail"]["cpu_threads"] == loaded["cpu_threads"]
   for frac in (0.75, 0.25):
     rows = [r for r in loaded["steps"] if r["window_fraction"] == frac]
     assert {r["tactic"] for r in rows} == {"resident", "stream", "cpu", "hybrid", "head"}
@@ -46,15 +53,19 @@ def test_tactics_bench_tiny_on_cpu(tmp_path):
   assert len(loaded["cpu_kernel"]) == 2
   for k in loaded["cpu_kernel"]:
     assert KERNEL_KEYS <= set(k) and k["read_gbps"] > 0
+    assert k["cpu_threads"] == loaded["cpu_threads"]
+    assert k["probe_cpu_overhead_us"] == prof.cpu_overhead_us
   table = tactics_bench.format_table(result)
-  assert "hybrid" in table and "within_5pct" in table
+  assert "hybrid" in table and "within_5pct" in table and "probe's own steps" in table
 
 
 def test_tactics_bench_bf16_given_profile(tmp_path):
   path = residency.H200_DEFAULT.replace(host_read_gbps=20.0).save(str(tmp_path / "p.json"))
   result = tactics_bench.run(_cfg(dtype="bfloat16", window_fractions=(0.5,),
-                                  hybrid_splits=("plan", "0.5"), profile_path=path))
+                                  hybrid_splits=("plan", "0.5"), profile_path=path,
+                                  cpu_threads=1))
   assert result["profile"]["source"] == residency.H200_DEFAULT.source
+  assert result["cpu_threads"] == 1 and all(k["cpu_threads"] == 1 for k in result["cpu_kernel"])
   for r in result["steps"]:
     assert r["max_abs_err"] < 2e-2, r  # bf16 cache: partial sums round differently
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import time
 
 import jax
@@ -105,6 +106,38 @@ def _lib() -> ctypes.CDLL:
 def max_threads() -> int:
   """Threads the kernel uses by default (OpenMP's default: ``$OMP_NUM_THREADS`` or all cores)."""
   return _lib().rkv_cpu_kernel_max_threads()
+
+
+# The cpu / hybrid tactics (rkv.rolling_attention) leave this many of OpenMP's threads to the
+# rest of the process: while the kernel runs, the Python thread dispatches the device partials
+# and, in a hybrid, issues every streamed tile's transfer, and PJRT's threads drive the copies.
+# With every core in the kernel those threads wait for a core, and each wait delays the tile
+# transfers queued behind it; the kernel is bound by host memory bandwidth, so one thread fewer
+# costs it little. Override per call with rolling_attention(cpu_threads=N), or for the process
+# with $RKV_CPU_TAIL_THREADS (a thread count). rkv.probe measures with the same setting.
+TAIL_RESERVED_THREADS = 1
+TAIL_THREADS_ENV = "RKV_CPU_TAIL_THREADS"
+
+
+def tail_threads(num_threads: int | None = None) -> int:
+  """The kernel threads of the cpu / hybrid tactics: ``num_threads`` if given, else
+  ``$RKV_CPU_TAIL_THREADS``, else OpenMP's default (:func:`max_threads`) minus
+  :data:`TAIL_RESERVED_THREADS`, at least 1."""
+  where = "tail_threads"
+  if num_threads is not None:
+    _check_int(num_threads, "num_threads", where)
+    return int(num_threads)
+  env = os.environ.get(TAIL_THREADS_ENV, "").strip()
+  if env:
+    try:
+      n = int(env)
+    except ValueError:
+      n = 0
+    if n < 1:
+      raise ValueError(f"{where}: ${TAIL_THREADS_ENV} must be a positive thread count, got "
+                       f"{env!r}")
+    return n
+  return max(1, max_threads() - TAIL_RESERVED_THREADS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 One attention layer (default bf16, H=32, K=8, D=128, B=1, decode T=1) per context and window
 fraction. In one process, so the figures are comparable (DESIGN.md §5: ±15% run to run):
 
-1. The profile: measured in this run with :func:`rkv.probe.run_probe` (H2D rate, device attention
-   rate + overhead, CPU attention rate, host read bandwidth, copy latency), or loaded from
-   ``profile_path`` (an ``rkv.Profile`` JSON, e.g. ``experiments/probe.py``'s).
+1. The profile: measured in this run with :func:`rkv.probe.run_probe` (H2D rate + per-put fixed
+   cost, device attention rate + overhead, the cpu tactic's rate + fixed cost over a pinned_host
+   tail, each hybrid side's rate under contention, host read bandwidth, copy latency), or loaded
+   from ``profile_path`` (an ``rkv.Profile`` JSON, e.g. ``experiments/probe.py``'s).
 2. The planner's layouts for a one-layer model whose KV budget is ``window_fraction`` of the
    resident bytes: ``rkv.plan(mode="window")`` gives W and the tile of the rolling cache (stream,
    cpu, hybrid), ``mode="head"`` the head split (R resident KV heads — as many whole heads as the
@@ -22,6 +23,9 @@ fraction. In one process, so the figures are comparable (DESIGN.md §5: ±15% ru
 6. CPU kernel: :func:`rkv.offload.cpu_attention.cpu_attention_tail` timed alone over the cpu
    tactic's tail: read GB/s against the profile's host read bandwidth (target: >= half).
 
+The CPU kernel runs with the tactics' threads everywhere (``cpu_threads``; None: their default,
+:func:`rkv.offload.cpu_attention.tail_threads`), the probe included.
+
 ``experiments/tactics_bench.py`` is the absl front end; tiny contexts run on CPU.
 """
 
@@ -31,6 +35,7 @@ import dataclasses
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,7 +60,11 @@ class TacticsConfig:
   """What :func:`run` measures. ``hybrid_splits``: hybrid rows, each ``"plan"`` (the planner's
   split), ``"plan+N"`` / ``"plan-N"`` (N more / fewer CPU tiles than the planner's), or a number
   in [0, 1] (share of the tail's tiles on the CPU); clipped to [0, n_tiles], duplicates dropped.
-  ``profile_path``: use this profile instead of probing. ``probe_*``: the probe's sizes."""
+  ``profile_path``: use this profile instead of probing. ``probe_*``: the probe's sizes
+  (``probe_tail_tiles``: tail sizes of its cpu fit, ``probe_contention_tiles``: tiles of its
+  contention step, in tiles of ``min(tile_cells, probe_cpu_kv_len)``). ``cpu_threads``: the CPU
+  kernel's threads in the cpu / hybrid rows, the kernel-alone timing and the probe (None: the
+  tactics' default)."""
 
   contexts: tuple[int, ...] = (262144, 1048576)
   window_fractions: tuple[float, ...] = (0.75, 0.25)
@@ -74,10 +83,13 @@ class TacticsConfig:
   repeats: int = 15
   resident: bool = True
   profile_path: str | None = None
-  probe_transfer_mib: tuple[float, ...] = (64, 1024)
+  probe_transfer_mib: tuple[float, ...] = (64, 256, 1024)
   probe_attn_kv_lens: tuple[int, ...] = (131072, 524288)
   probe_cpu_kv_len: int = 131072
   probe_host_read_mib: float = 1024
+  probe_tail_tiles: tuple[int, ...] = (1, 4, 8)
+  probe_contention_tiles: int = 8
+  cpu_threads: int | None = None
   seed: int = 0
 
   def __post_init__(self):
@@ -121,8 +133,9 @@ def measure_profile(cfg: TacticsConfig) -> residency.Profile:
       batch=cfg.batch, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim, dtype=dtype, impl=cfg.impl, cpu=True,
       cpu_kv_len=cfg.probe_cpu_kv_len, cpu_tile_cells=tile,
-      host_read_mib=cfg.probe_host_read_mib, warmup=max(cfg.warmup, 1),
-      repeats=max(min(cfg.repeats, 7), 2))
+      tail_tiles=tuple(cfg.probe_tail_tiles), contention_tiles=cfg.probe_contention_tiles,
+      cpu_threads=cfg.cpu_threads, host_read_mib=cfg.probe_host_read_mib,
+      warmup=max(cfg.warmup, 1), repeats=max(min(cfg.repeats, 7), 2))
   return probe_lib.run_probe(pcfg)
 
 
@@ -172,20 +185,12 @@ def _copy_s(cfg: TacticsConfig, profile: residency.Profile) -> float:
 
 def hybrid_time_at(device_read: float, tile_bytes: float, n_tiles: int, n_cpu: int,
                    profile: residency.Profile, partial_copy_s: float = 0.0) -> float | None:
-  """Modeled step of a hybrid with ``n_cpu`` of ``n_tiles`` tiles on the CPU, the others streamed:
-  ``combine(device, max(streamed / PCIe, cpu / CPU, tail / host_read)) + copy`` (the tail term of
-  :func:`rkv.residency.hybrid_split` at a fixed split). ``n_cpu == 0`` is the stream tactic."""
-  if n_cpu == 0:
-    return residency.stream_time(device_read, n_tiles * tile_bytes, profile)
-  crate = residency.cpu_rate(profile)
-  if crate is None:
-    return None
-  floor_s = (0.0 if profile.host_read_gbps is None
-             else n_tiles * tile_bytes / (profile.host_read_gbps * residency.GB))
-  tail_s = max((n_tiles - n_cpu) * tile_bytes / (profile.pcie_gbps * residency.GB),
-               n_cpu * tile_bytes / crate, floor_s)
-  return residency.combine(residency.device_time(device_read, profile), tail_s,
-                           profile.overlap) + partial_copy_s
+  """Modeled step of a hybrid with ``n_cpu`` of ``n_tiles`` tiles on the CPU, the others streamed
+  (:func:`rkv.residency.hybrid_time_at`: the model's tail term at a fixed split, contended rates
+  and fixed costs included). ``n_cpu == 0`` is the stream tactic, ``n_cpu == n_tiles`` the cpu
+  tactic."""
+  return residency.hybrid_time_at(device_read, tile_bytes, n_tiles, n_cpu, profile,
+                                  partial_copy_s)
 
 
 def _kv_bytes(kv: rkv.RollingKV) -> dict:
@@ -240,6 +245,8 @@ def _rolling_rows(cfg, profile, cells, q, q_pos, ref, context, frac, lp_window) 
   common = dict(q_pos=q_pos, impl=cfg.impl, schedule=cfg.schedule, lookahead=cfg.lookahead)
 
   def measure(tactic, **kw):
+    if tactic in ("cpu", "hybrid"):
+      kw["cpu_threads"] = cfg.cpu_threads
     call = lambda: rkv.rolling_attention(q, kv, tactic=tactic, **common, **kw)
     err = _err(call(), ref)
     return _median_s(call, cfg), err
@@ -257,12 +264,15 @@ def _rolling_rows(cfg, profile, cells, q, q_pos, ref, context, frac, lp_window) 
                                                   profile, copy_s),
                      err=err, cpu_tiles=b["n_tiles"], **layout))
     # The CPU kernel alone over the whole tail (reads the pinned_host tiles in place).
-    kernel_s = _median_s(lambda: cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos), cfg)
+    threads = cpu_lib.tail_threads(cfg.cpu_threads)
+    kernel_s = _median_s(lambda: cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos,
+                                                            num_threads=threads), cfg)
     gbps = layout["tail_read_bytes"] / kernel_s / residency.GB
     host = profile.host_read_gbps
     cpu_kernel = dict(context=context, window_fraction=frac, tail_bytes=layout["tail_read_bytes"],
-                      kernel_s=kernel_s, read_gbps=gbps, host_read_gbps=host,
+                      kernel_s=kernel_s, read_gbps=gbps, host_read_gbps=host, cpu_threads=threads,
                       probe_cpu_attn_gbps=profile.cpu_attn_gbps,
+                      probe_cpu_overhead_us=profile.cpu_overhead_us,
                       fraction_of_host_read=None if not host else gbps / host,
                       meets_target=None if not host else gbps >= CPU_READ_TARGET * host)
   if "hybrid" in cfg.tactics and b["n_tiles"]:
@@ -330,12 +340,16 @@ def _verdict(rows: list[dict], pick: str | None, context: int, frac: float) -> d
   return out
 
 
+_attention_jit = jax.jit(rkv.attention, static_argnames=("impl",))
+
+
 def run(cfg: TacticsConfig) -> dict:
   """Runs every row of ``cfg``; returns the JSON-ready result."""
   profile = measure_profile(cfg)
   result = dict(benchmark="tactics_bench", **benchmarking.environment(),
                 config=dataclasses.asdict(cfg), host_pool_gib=memory.host_pool_bytes() / 2**30,
-                profile=profile.to_json(), steps=[], plans=[], verdicts=[], cpu_kernel=[])
+                cpu_threads=cpu_lib.tail_threads(cfg.cpu_threads), profile=profile.to_json(),
+                figures=profile.figures(), steps=[], plans=[], verdicts=[], cpu_kernel=[])
   bcfg = rolling_bench.BenchConfig(batch=cfg.batch, num_kv_heads=cfg.num_kv_heads,
                                    head_dim=cfg.head_dim, dtype=cfg.dtype, seed=cfg.seed)
   q_dt = jnp.bfloat16 if cfg.dtype == "int8" else jnp.dtype(cfg.dtype)
@@ -348,8 +362,10 @@ def run(cfg: TacticsConfig) -> dict:
     nbytes = sum(x.nbytes for x in cells.values() if x is not None)
     if cfg.resident and rolling_bench._fits_on_device(nbytes):
       dev = {n: None if x is None else memory.to_device(x) for n, x in cells.items()}
-      call = lambda: rkv.attention(q, dev["k"], dev["v"], q_pos=q_pos, k_scale=dev["k_scale"],
-                                   v_scale=dev["v_scale"], impl=cfg.impl)
+      # Jitted, as the tactics' device partials are: eager op-by-op dispatch of the kernel's
+      # wrapper cost more than the kernel at these sizes.
+      call = lambda: _attention_jit(q, dev["k"], dev["v"], q_pos=q_pos, k_scale=dev["k_scale"],
+                                    v_scale=dev["v_scale"], impl=cfg.impl)
       ref = np.asarray(jnp.asarray(call()[0], jnp.float32))
       resident_s = _median_s(call, cfg)
       del dev
@@ -400,12 +416,16 @@ def format_table(result: dict) -> str:
               for v in result["verdicts"]]
   kernel = [dict(context=k["context"], W=k["window_fraction"], read_gbps=k["read_gbps"],
                  host_read_gbps=k["host_read_gbps"], probe_cpu_gbps=k["probe_cpu_attn_gbps"],
-                 share=k["fraction_of_host_read"], meets_half=k["meets_target"])
+                 probe_cpu_us=k.get("probe_cpu_overhead_us"), share=k["fraction_of_host_read"],
+                 meets_half=k["meets_target"])
             for k in result["cpu_kernel"]]
   prof = residency.Profile.from_json(result["profile"])
+  checks = probe_lib.format_checks(prof)
   return "\n".join([
-      f"{result['device']} ({result['backend']}, jax {result['jax']})",
+      f"{result['device']} ({result['backend']}, jax {result['jax']}), CPU kernel threads "
+      f"{result.get('cpu_threads', '-')}",
       f"profile: {prof.source}: {prof.describe()}",
+      *(["probe's own steps vs the model:", checks] if checks else []),
       benchmarking.format_table(steps, ["context", "W", "tactic", "split", "step_ms", "model_ms",
                                         "ratio", "err"]),
       "selector pick vs measured fastest:",
@@ -414,5 +434,6 @@ def format_table(result: dict) -> str:
                                            "within_5pct"]),
       "CPU kernel read rate vs host read bandwidth (target >= 0.5):",
       benchmarking.format_table(kernel, ["context", "W", "read_gbps", "host_read_gbps",
-                                         "probe_cpu_gbps", "share", "meets_half"])
+                                         "probe_cpu_gbps", "probe_cpu_us", "share",
+                                         "meets_half"])
       if kernel else "  (no cpu rows)"])
