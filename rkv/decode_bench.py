@@ -368,12 +368,19 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
 # transformers side (torch), run in a spawned child
 # ----------------------------------------------------------------------------------------------
 def torch_available() -> str | None:
-  """None if torch and transformers import, else the reason."""
-  try:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-  except Exception as e:  # ImportError, or a broken install
-    return f"torch/transformers not importable: {type(e).__name__}: {e}"
+  """None if torch and transformers are installed, else the reason.
+
+  Found, not imported: this is the JAX process, and importing torch here loads torch's own
+  OpenMP runtime and thread pools beside the CPU-tail kernel's (the transformers rows run in a
+  child process anyway)."""
+  import importlib.util
+  for name in ("torch", "transformers"):
+    try:
+      found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError) as e:
+      return f"torch/transformers not importable: {type(e).__name__}: {e}"
+    if not found:
+      return f"torch/transformers not importable: ModuleNotFoundError: No module named '{name}'"
   return None
 
 
