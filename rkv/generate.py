@@ -349,7 +349,15 @@ class Generation:
   prefill_tokens_per_s: float
   decode_tokens_per_s: float
   jitted: bool
+  # Seconds of each decode step (the first includes its compile when the step is jitted).
+  step_s: tuple = ()
   caches: tuple = dataclasses.field(repr=False, default=())
+
+  @property
+  def warm_decode_tokens_per_s(self) -> float:
+    """Tokens/s of the decode steps after the first (which compiles): the steady rate."""
+    warm = self.step_s[1:]
+    return self.tokens.shape[0] * len(warm) / sum(warm) if warm else 0.0
 
 
 def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: float = 0.0,
@@ -397,9 +405,12 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   jax.block_until_ready(out or logits)
   t1 = time.perf_counter()
   pos = fill + t
+  step_s = []
   for i in range(1, max_new_tokens):
+    ts = time.perf_counter()
     logits, caches = step(out[-1][:, None], _positions(b, pos, 1), caches)
-    out.append(pick(logits[:, -1], i))
+    out.append(jax.block_until_ready(pick(logits[:, -1], i)))  # the next step needs it anyway
+    step_s.append(time.perf_counter() - ts)
     pos += 1
   toks = np.stack([np.asarray(x) for x in out], axis=1) if out else np.zeros((b, 0), np.int32)
   t2 = time.perf_counter()
@@ -407,7 +418,7 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   return Generation(tokens=toks, prefill_s=t1 - t0, decode_s=t2 - t1,
                     prefill_tokens_per_s=b * t / (t1 - t0),
                     decode_tokens_per_s=(b * n_dec / (t2 - t1)) if n_dec else 0.0,
-                    jitted=step.jitted, caches=caches)
+                    jitted=step.jitted, step_s=tuple(step_s), caches=caches)
 
 
 # ----------------------------------------------------------------------------------------------
