@@ -6,7 +6,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m experiments.kernel_bench --quick
+	$(PY) -m experiments.demo
 
 test: setup
 	$(PY) -m pytest -q tests

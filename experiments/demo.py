@@ -1,0 +1,49 @@
+"""The README's main job: a needle query at a long context with most of the KV in the host tail.
+
+    python -m experiments.demo                      # 8K tokens, 20% of the KV on the device
+    python -m experiments.demo --context=16384 --depth=0.1 --device_share=0.1 --mode=hybrid
+
+Loads the shipped recall model (rkv/assets/recall), prints the residency plan, answers the needle
+query through the planned caches and through resident ones, and prints the answer, tokens/s and
+the logit-equivalence figures (see rkv/demo.py). Exits 1 if the answer is wrong, differs from
+resident, or the logit gate fails.
+"""
+
+import json
+
+from absl import app, flags
+
+from rkv import demo
+
+_CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.")
+_DEPTH = flags.DEFINE_float("depth", 0.5, "Needle depth: 0 = start of the haystack, 1 = end.")
+_SHARE = flags.DEFINE_float("device_share", 0.2, "Share of the KV bytes the plan keeps on the "
+                            "device (the rest goes to the host tail).")
+_MODE = flags.DEFINE_enum("mode", "auto", ["auto", "window", "cpu", "hybrid", "head"],
+                          "Planner mode (auto: the selector picks each layer's tactic).")
+_PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner (default: "
+                               "~/.cache/rkv/profile.json if present, else rkv.H200_DEFAULT).")
+_TILE = flags.DEFINE_integer("tile_cells", 1024, "Largest host-tail tile (cells).")
+_CHECK = flags.DEFINE_integer("check_tokens", 32, "Prompt tokens decoded one by one for the "
+                              "logit gate.")
+_SEED = flags.DEFINE_integer("seed", 0, "Haystack seed.")
+_MODEL = flags.DEFINE_string("model", None, "Recall model folder (default: the shipped one).")
+_OUT = flags.DEFINE_string("out", None, "Also write the figures as JSON here.")
+
+
+def main(argv):
+  del argv
+  cfg = demo.DemoConfig(context=_CONTEXT.value, depth=_DEPTH.value,
+                        device_share=_SHARE.value, mode=_MODE.value, profile_path=_PROFILE.value,
+                        tile_cells=_TILE.value, min_tile_cells=min(256, _TILE.value),
+                        check_tokens=_CHECK.value, seed=_SEED.value, model_path=_MODEL.value)
+  result = demo.run(cfg)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1)
+  ok = result["correct"] and result["identical_to_resident"] and result["gate_passed"]
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  app.run(main)
