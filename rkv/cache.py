@@ -493,7 +493,17 @@ def flush(tail: KVBlock, staging: KVBlock, index: int) -> tuple[KVBlock, KVBlock
 
 
 def _take(block: KVBlock, lo: int, hi: int) -> KVBlock:
+  if lo == 0 and hi == block.k.shape[1]:
+    return block  # the whole block (a decode token): no slicing ops to dispatch
   return jax.tree.map(lambda x: x[:, lo:hi], block)
+
+
+def _as(x, dtype):
+  # jnp.asarray dispatches a conversion even when nothing changes; appends run per layer and
+  # token, so arrays already on the device in the right dtype pass through untouched.
+  if isinstance(x, jax.Array) and x.dtype == dtype:
+    return x
+  return jnp.asarray(x, dtype)
 
 
 def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBlock:
@@ -506,18 +516,17 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
   if kv.fill + t > kv.capacity:
     raise ValueError(f"{where}: appending T={t} cells to a cache holding {kv.fill} would exceed "
                      f"its capacity={kv.capacity}")
-  if pos is None:
-    pos = jnp.broadcast_to(jnp.arange(kv.fill, kv.fill + t, dtype=jnp.int32), (b, t))
+  if pos is None:  # host numpy: one transfer instead of two eager device ops
+    pos = np.broadcast_to(np.arange(kv.fill, kv.fill + t, dtype=np.int32), (b, t))
   _check_positions(pos, (b, t), where, "pos", read_device=False)
   src_int8 = np.dtype(k.dtype) == np.dtype(np.int8)
   if kv.quantized and not src_int8:
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
   elif not kv.quantized and src_int8:
     raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")
-  new = KVBlock(k=jnp.asarray(k, kv.dtype), v=jnp.asarray(v, kv.dtype),
-                pos=jnp.asarray(pos, jnp.int32),
-                k_scale=None if k_scale is None else jnp.asarray(k_scale, jnp.float32),
-                v_scale=None if v_scale is None else jnp.asarray(v_scale, jnp.float32))
+  new = KVBlock(k=_as(k, kv.dtype), v=_as(v, kv.dtype), pos=_as(pos, jnp.int32),
+                k_scale=None if k_scale is None else _as(k_scale, jnp.float32),
+                v_scale=None if v_scale is None else _as(v_scale, jnp.float32))
   return new
 
 
@@ -539,7 +548,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   fill, i = kv.fill, 0
   m = max(0, min(t, w - fill))
   if m:
-    window = _write_cells(window, _take(new, 0, m), jnp.int32(fill))
+    window = _write_cells(window, _take(new, 0, m), np.int32(fill))
     fill, i = fill + m, m
   while i < t:
     tail_fill = fill - w
@@ -552,7 +561,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
       fill, i = fill + whole * tile, i + whole * tile
       continue
     m = min(tile - staged, t - i)
-    staging = _write_cells(staging, _take(new, i, i + m), jnp.int32(staged))
+    staging = _write_cells(staging, _take(new, i, i + m), np.int32(staged))
     fill, i = fill + m, i + m
     if staged + m == tile:
       tail, staging = flush(tail, staging, (fill - w) // tile - 1)
