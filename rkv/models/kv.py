@@ -219,30 +219,30 @@ def _(cache: RingCache, q, k, v, positions, *, window, softcap, scale, impl):
   return o, cache.write(k, v, positions)
 
 
-@attend.register
-def _(cache: RollingKV, q, k, v, positions, *, window, softcap, scale, impl):
+def _append_then_attend(cache, data, q, k, v, positions, *, tactic, cpu_fraction=None, **kw):
+  """The rolling caches' one step: append this chunk's cells, then ``rolling_attention`` over
+  ``data(new cache)`` (the cache itself, or a TacticKV's RollingKV) with ``tactic``."""
   new = cache.append(k, v, positions)
-  o, _ = rolling_attention(q, new, q_pos=positions, causal=True, window=window, softcap=softcap,
-                           scale=scale, impl=impl, tactic="stream")
+  o, _ = rolling_attention(q, data(new), q_pos=positions, causal=True, tactic=tactic,
+                           cpu_fraction=cpu_fraction, **kw)
   return o, new
 
 
 @attend.register
-def _(cache: TacticKV, q, k, v, positions, *, window, softcap, scale, impl):
-  new = cache.append(k, v, positions)
-  o, _ = rolling_attention(q, new.kv, q_pos=positions, causal=True, window=window,
-                           softcap=softcap, scale=scale, impl=impl, tactic=new.tactic,
-                           cpu_fraction=new.cpu_fraction)
-  return o, new
+def _(cache: RollingKV, q, k, v, positions, **kw):
+  return _append_then_attend(cache, lambda c: c, q, k, v, positions, tactic="stream", **kw)
 
 
 @attend.register
-def _(cache: HeadSplitKV, q, k, v, positions, *, window, softcap, scale, impl):
+def _(cache: TacticKV, q, k, v, positions, **kw):
+  return _append_then_attend(cache, lambda c: c.kv, q, k, v, positions, tactic=cache.tactic,
+                             cpu_fraction=cache.cpu_fraction, **kw)
+
+
+@attend.register
+def _(cache: HeadSplitKV, q, k, v, positions, **kw):
   # HeadSplitKV.append splits k/v by KV head; rolling_attention splits q's heads the same way.
-  new = cache.append(k, v, positions)
-  o, _ = rolling_attention(q, new, q_pos=positions, causal=True, window=window, softcap=softcap,
-                           scale=scale, impl=impl, tactic="head")
-  return o, new
+  return _append_then_attend(cache, lambda c: c, q, k, v, positions, tactic="head", **kw)
 
 
 @functools.singledispatch
