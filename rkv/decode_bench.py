@@ -135,8 +135,7 @@ def model_config(cfg: BenchConfig):
 
 
 def kv_bytes(mc, cells: int, batch: int) -> int:
-  return int(mc.num_layers * batch * cells * 2 * mc.num_kv_heads * mc.head_dim
-             * np.dtype(mc.dtype).itemsize)
+  return mc.kv_bytes_per_token() * cells * batch
 
 
 def weight_bytes(mc) -> int:

@@ -19,7 +19,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rkv import gates
@@ -63,19 +62,13 @@ class DemoConfig:
                        f"{self.check_tokens!r}")
 
 
-def kv_bytes(config, cells: int, batch: int = 1) -> int:
-  """K/V bytes of every layer's cache of ``cells`` cells (positions not counted)."""
-  item = jnp.dtype(config.dtype).itemsize
-  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * item * cells * batch
-
-
 def demo_plan(config, capacity: int, cfg: DemoConfig):
   """The plan with the forced budget: ``device_share`` of the KV bytes, but at least the
   smallest layout the planner accepts (an aligned window and one staging tile per layer, plus
   their int32 positions)."""
   floor_cells = WINDOW_ALIGN + cfg.min_tile_cells
-  floor = kv_bytes(config, floor_cells) + 4 * config.num_layers * floor_cells
-  budget = max(cfg.device_share * kv_bytes(config, capacity), floor) / MIB
+  floor = (config.kv_bytes_per_token() + 4 * config.num_layers) * floor_cells
+  budget = max(cfg.device_share * config.kv_bytes_per_token() * capacity, floor) / MIB
   res = ResidencyConfig(mode=cfg.mode, vram_target_mib=budget, tile_cells=cfg.tile_cells,
                         min_tile_cells=cfg.min_tile_cells, profile_path=cfg.profile_path)
   return make_plan(config, capacity, 1, residency=res)
@@ -98,7 +91,7 @@ def run(cfg: DemoConfig = DemoConfig(), log: Callable[[str], None] = print) -> d
       f"{jax.__version__}")
   log(f"model: the shipped recall model ({mc.num_layers} layers, {mc.num_heads} query / "
       f"{mc.num_kv_heads} KV heads, head_dim {mc.head_dim}, {mc.dtype}), "
-      f"{kv_bytes(mc, 1)} KV bytes per token")
+      f"{mc.kv_bytes_per_token()} KV bytes per token")
 
   rng = np.random.default_rng(cfg.seed)
   hs = recall.haystack(rng, cfg.context, cfg.depth, task)
