@@ -534,6 +534,8 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   """Appends ``k, v [B,T,K,D]`` (one token at decode, a chunk at prefill); returns the new cache.
 
   ``pos [B,T]`` defaults to ``fill + arange(T)``; -1 marks a padding cell (ragged batches).
+  Host positions (numpy, lists) are range-checked; positions already on the device are checked
+  for shape and dtype only (reading them back would sync the host with the device every step).
   Cells go to the window while it has room, then to the staging tile; a full staging tile is
   flushed to the host tail (:func:`flush`), and whole tiles of a long chunk go to the host tail
   directly, each replacing one tail leaf. The cost is O(T + tile) whatever the tail holds. The
