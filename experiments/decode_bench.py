@@ -40,6 +40,8 @@ _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON the planner us
                                "~/.cache/rkv/profile.json if present, else rkv.H200_DEFAULT).")
 _HF_DEVICE = flags.DEFINE_string("hf_device", "auto", "torch device (auto: cuda if present).")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"], "rkv attention.")
+_SCHEDULE = flags.DEFINE_enum("schedule", None, list(decode_bench.SCHEDULES),
+                              "Rolling caches' streaming schedule (default: rkv.rolling's).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
 _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
                             "PNG output ('' = none).")
@@ -54,7 +56,7 @@ def main(argv):
       offload_steps=_OFF_STEPS.value, offload_fraction=_FRACTION.value,
       offload_mode=_MODE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       margin_gib=_MARGIN.value, device_memory_gib=_DEVMEM.value, hf_device=_HF_DEVICE.value,
-      impl=_IMPL.value, profile_path=_PROFILE.value)
+      impl=_IMPL.value, schedule=_SCHEDULE.value, profile_path=_PROFILE.value)
   decode_bench.main(cfg, _OUT.value, _PLOT.value or None)
 
 

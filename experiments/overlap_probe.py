@@ -8,6 +8,7 @@ Compares, for one decode step over a device window plus a pinned-host tail of N 
                 (its own executable), all issued before compute
   eager_put     per-tile pinned_host arrays moved by jax.device_put (PJRT's transfer path)
   transfer_only the eager_put transfers alone;  compute_only  the attention on resident tiles
+  put_return    host time until the eager device_puts *return* vs until their tiles are ready
 If a variant overlaps, its time approaches max(transfer_only, compute_only) instead of the sum.
 The first H200 run (benchmarks/results/rolling_overlap/overlap_probe_h200.json) predates the
 per-tile cache: its in_jit row is the stacked-tail scan schedule (24.1 ms), eager_put 21.2 ms.
@@ -15,6 +16,8 @@ per-tile cache: its in_jit row is the stacked-tail scan schedule (24.1 ms), eage
 """
 
 import json
+import statistics
+import time
 
 from absl import app
 from absl import flags
@@ -103,6 +106,22 @@ def main(argv):
     t = benchmarking.time_fn(fn, n_warmup=2, n_outer=7, n_inner=1)
     results[name] = dict(median_ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, max_abs_diff=err)
     print(f"{name:14s} {t.median_s * 1e3:9.3f} ms  (min {t.min_s * 1e3:.3f})  diff={err}")
+  # Does the eager device_put return before its copy is done? Host seconds until the calls
+  # return vs until the tiles are ready (medians of 7). If they are close, device_put holds the
+  # Python thread for the copy and a model's later layers cannot be dispatched meanwhile.
+  host, ready = [], []
+  for _ in range(8):
+    t0 = time.perf_counter()
+    moved = transfer_only()
+    t1 = time.perf_counter()
+    jax.block_until_ready(moved)
+    host.append(t1 - t0)
+    ready.append(time.perf_counter() - t0)
+    del moved
+  results["put_return"] = dict(host_ms=statistics.median(host[1:]) * 1e3,
+                               ready_ms=statistics.median(ready[1:]) * 1e3)
+  print(f"device_put of {n} tiles: returns after {results['put_return']['host_ms']:.3f} ms, "
+        f"ready after {results['put_return']['ready_ms']:.3f} ms")
   tail_bytes = 2 * b * (s - w) * kh * d * 2
   payload = dict(benchmark="overlap_probe", environment=benchmarking.environment(),
                  context=s, window_cells=w, tile_cells=tile, n_tiles=n, tail_bytes=tail_bytes,

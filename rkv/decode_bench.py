@@ -54,6 +54,9 @@ GIB = 1 << 30
 MIB = 1 << 20
 CONFIGS = ("rkv_resident", "rkv_offload", "hf_static", "hf_offloaded")
 OFFLOAD_MODES = ("auto", "window", "force")
+# rkv.rolling.SCHEDULES, spelled out: this module is imported by the HF child, which must not
+# import jax (tests/decode_bench_test.py checks the two agree).
+SCHEDULES = ("eager", "unrolled")
 # Plan tactics whose caches the synthetic fill builds: a filled RollingKV serves stream, cpu and
 # hybrid alike; a head split would need a filled RollingKV per head group (not written yet).
 FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
@@ -81,6 +84,8 @@ class BenchConfig:
   host_memory_fraction: float = 0.85  # HF offloaded needs the full KV in host RAM
   hf_device: str = "auto"  # auto: cuda if torch sees one, else cpu
   impl: str = "auto"
+  # The rolling caches' streaming schedule (rkv.rolling_attention's; None: its default).
+  schedule: str | None = None
   # The planner's measured figures (rkv.Profile JSON, e.g. benchmarks/results/profile_h200.json);
   # None: ResidencyConfig's default (~/.cache/rkv/profile.json if present, else H200_DEFAULT).
   profile_path: str | None = None
@@ -93,6 +98,9 @@ class BenchConfig:
       raise ValueError(f"{where}: unknown configs {bad}; choose from {CONFIGS}")
     if self.offload_mode not in OFFLOAD_MODES:
       raise ValueError(f"{where}: offload_mode must be one of {OFFLOAD_MODES}")
+    if self.schedule is not None and self.schedule not in SCHEDULES:
+      raise ValueError(f"{where}: schedule must be one of {SCHEDULES} or None, got "
+                       f"{self.schedule!r}")
     if not 0 < self.offload_fraction < 1:
       raise ValueError(f"{where}: offload_fraction must be in (0, 1)")
     if not self.contexts or any(int(c) < 2 for c in self.contexts):
@@ -280,21 +288,23 @@ def _decode_rkv(step, caches, context, warmup, steps, batch):
   import jax
   import jax.numpy as jnp
   tok = jnp.zeros((batch, 1), jnp.int32)
-  times = []
+  times, dispatch = [], []
   for i in range(warmup + steps):
     pos = np.full((batch, 1), context + i, np.int32)
     t0 = time.perf_counter()
     logits, caches = step(tok, pos, caches)
+    dispatch.append(time.perf_counter() - t0)  # the step returned: its host (Python) side
     tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
     jax.block_until_ready(tok)
     times.append(time.perf_counter() - t0)
-  return times, caches
+  return times, dispatch, caches
 
 
 def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
   import jax
   from flax import nnx
   from rkv import generate as gen
+  from rkv import rolling
   from rkv.generate import _Stepper
   from rkv.models import Transformer, jit_forward
   mc = model_config(cfg)
@@ -348,10 +358,14 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
           caches = tuple(caches)
         jax.block_until_ready(caches)
         row["fill_s"] = time.perf_counter() - t1
-        step = _Stepper(model, caches, forward)
+        step = _Stepper(model, caches, forward, schedule=cfg.schedule)
         row["jitted"] = step.jitted
-        times, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
+        row["schedule"] = None if step.jitted else (cfg.schedule or rolling.DEFAULT_SCHEDULE)
+        times, dispatch, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
         row.update(_summary(times, warmup, cfg.batch))
+        # Seconds until the step call returned (median of the timed steps): close to step_s
+        # means the host side (Python dispatch, or a wait inside the step) bounds the step.
+        row["host_s"] = float(np.median(dispatch[warmup:]))
         log(f"rkv {name} {ctx}: {row['tokens_per_s']:.2f} tok/s "
             f"(median step {1e3 * row['step_s']:.2f} ms, fill {row['fill_s']:.1f} s)")
       except Exception as e:  # one failing row must not lose the others

@@ -26,6 +26,21 @@ def test_rkv_rows_and_outputs(tmp_path):
   assert rows["rkv_offload"]["capacity"] == 512 and rows["rkv_offload"]["fill"] == 509
   assert rows["rkv_offload"]["host_kv_gib"] > 0
   assert "rkv_resident" in decode_bench.format_table(result)
+  assert rows["rkv_offload"]["schedule"] == "eager" and rows["rkv_resident"]["schedule"] is None
+  assert 0 < rows["rkv_offload"]["host_s"] <= rows["rkv_offload"]["step_max_s"]
+
+
+def test_unrolled_schedule_row():
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), schedule="unrolled", **TINY)
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None)
+  assert rows[0]["schedule"] == "unrolled" and rows[0]["tokens_per_s"] > 0, rows[0]
+
+
+def test_schedules_match_rolling():
+  from rkv import rolling
+  assert decode_bench.SCHEDULES == rolling.SCHEDULES
+  with pytest.raises(ValueError, match="schedule"):
+    decode_bench.BenchConfig(schedule="scan")
 
 
 def test_filled_rolling_holds_the_context():

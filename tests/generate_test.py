@@ -4,6 +4,7 @@ import dataclasses
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,6 +139,43 @@ def test_stream_caches_generate_like_resident():
                      caches=models.init_caches(cfg, 2, 32))
   assert gates.greedy_match(ref.tokens, out.tokens) == {
       "equal": True, "agreement": 1.0, "first_divergence": [None, None]}
+
+
+def test_layered_forward_equals_the_model_and_traces_once():
+  """rkv.models.layered_forward (eager across layers, jitted within) gives the eager model's
+  logits and caches on a ring (local) + RollingKV (global) model, from prefill through a staging
+  flush, and compiles each of its programs once for the decode step."""
+  from rkv.models import transformer
+  model = models.load_hf(os.path.join(FIXTURES, "gemma2"), jnp.float32, impl="xla")
+  tokens = np.load(os.path.join(FIXTURES, "gemma2", "reference.npz"))["tokens"]
+  cfg = model.config
+  plan = gen.force_stream(
+      rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20)), 5, 4)
+  caches_a = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+  caches_b = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+  assert isinstance(caches_a[0], models.RingCache) and isinstance(caches_a[1], rkv.RollingKV)
+  fwd = models.layered_forward(model, last_only=True)
+  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
+  # float32 rounding only: XLA fuses the jitted halves differently from op-by-op eager dispatch
+  # (measured max |diff| 1.8e-6; the float32 logit gate is 1e-4).
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+  la, caches_a = fwd(tokens[:, :18], pos(0, 18), caches_a)
+  lb, caches_b = model(tokens[:, :18], pos(0, 18), caches_b, last_only=True)
+  close(la, lb)
+  pre, post, whole = transformer._block_programs(*transformer._split_flat(model.layers[1])[:2])
+  sizes = None
+  for i in range(18, 24):  # 6 one-token steps: the staging tile flushes at fill 21
+    la, caches_a = fwd(tokens[:, i:i + 1], pos(i, i + 1), caches_a)
+    lb, caches_b = model(tokens[:, i:i + 1], pos(i, i + 1), caches_b, last_only=True)
+    close(la, lb)
+    if i == 19:
+      sizes = (pre._cache_size(), post._cache_size())
+  assert (pre._cache_size(), post._cache_size()) == sizes  # no retrace per token or per flush
+  assert caches_a[1].fill == caches_b[1].fill == 24 and caches_a[1].n_full_tiles == 4
+  for x, y in zip(jax.tree.leaves(caches_a[1].cells()), jax.tree.leaves(caches_b[1].cells())):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+  with pytest.raises(ValueError, match="caches are required"):
+    fwd(tokens[:, :2])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ on the cache's type:
   ``(p - W, p]``, and the ring holds the last R >= W - 1 cells before the chunk.
 - ``rkv.RollingKV`` (device window + pinned-host tail, :mod:`rkv.cache`) is registered too: a plan
   can give any layer one, and :func:`rkv.rolling_attention` serves it with the ``stream`` tactic.
-  Its fill level is static, so call the model eagerly (or accept one trace per fill level) for
-  such layers.
+  Its fill level is static, so run such a model with :func:`rkv.models.layered_forward` (jitted
+  halves around an eager attention), not under one ``jit`` (one trace per fill level).
 - :class:`TacticKV` — a ``RollingKV`` plus the tail tactic that serves it (``stream``, ``cpu`` or
   ``hybrid`` with its ``cpu_fraction``) as static pytree metadata: the cache says how it is
   attended, so the model and the decode loop stay tactic-blind. ``cpu`` / ``hybrid`` run the host

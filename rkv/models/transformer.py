@@ -80,6 +80,9 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nnx.Module):
+  """The projections around attention: :meth:`project` before it, :meth:`output` after (the
+  attention itself, over a cache or not, is :meth:`Block.__call__`'s)."""
+
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.window = cfg.layer_windows[layer]
@@ -97,20 +100,24 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
 
-  def __call__(self, x, positions, rope_cs, cache, impl):
+  def project(self, x, rope_cs):
+    """``x [B,T,hidden]`` -> ``q [B,T,H,D], k, v [B,T,K,D]`` (biases, q/k norms, RoPE applied)."""
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = apply_rope(q, *rope_cs), apply_rope(k, *rope_cs)
-    kw = dict(window=self.window, softcap=self.softcap, scale=self.scale, impl=impl)
-    if cache is None:
-      o, _ = attention(q, k, v, q_pos=positions, k_pos=positions, causal=True, **kw)
-    else:
-      o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
-    return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim)), cache
+    return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v
+
+  def attention_kwargs(self, impl) -> dict:
+    return dict(window=self.window, softcap=self.softcap, scale=self.scale, impl=impl)
+
+  def output(self, o):
+    """``o [B,T,H,D]`` -> ``[B,T,hidden]``."""
+    b, t = o.shape[:2]
+    return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
 
 
 class MLP(nnx.Module):
@@ -142,15 +149,55 @@ class Block(nnx.Module):
     self.attn_post_norm = norm() if cfg.sandwich_norms else None
     self.mlp_post_norm = norm() if cfg.sandwich_norms else None
 
-  def __call__(self, x, positions, rope_cs, cache, impl):
-    h, cache = self.attn(self.attn_norm(x), positions, rope_cs, cache, impl)
+  # The block in two halves around the cache (what layered_forward jits separately):
+  # pre_attention -> attend(cache) -> post_attention.
+  def pre_attention(self, x, rope_cs):
+    """``x`` -> the layer's ``q, k, v``."""
+    return self.attn.project(self.attn_norm(x), rope_cs)
+
+  def post_attention(self, x, o):
+    """The residual stream after the layer, from its input ``x`` and attention output ``o``."""
+    h = self.attn.output(o)
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
     x = x + h
     h = self.mlp(self.mlp_norm(x))
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
-    return x + h, cache
+    return x + h
+
+  def __call__(self, x, positions, rope_cs, cache, impl):
+    q, k, v = self.pre_attention(x, rope_cs)
+    kw = self.attn.attention_kwargs(impl)
+    if cache is None:
+      o, _ = attention(q, k, v, q_pos=positions, k_pos=positions, causal=True, **kw)
+    else:
+      o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
+    return self.post_attention(x, o), cache
+
+
+def _embed_tokens(cfg: ModelConfig, embed, tokens):
+  x = embed(tokens)
+  if cfg.embed_scale:
+    # Gemma rounds the normalizer to the activation dtype (sqrt(3072) -> 55.5 in bf16).
+    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+  return x
+
+
+def _logits(cfg: ModelConfig, embed, final_norm, lm_head, x, last_only: bool):
+  x = final_norm(x)
+  if last_only:
+    x = x[:, -1:]
+  if lm_head is None:  # tied: the embedding's transpose
+    logits = jnp.einsum("bth,vh->btv", x, embed.embedding[...], precision=_precision(cfg.dtype),
+                        preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.einsum("bth,hv->btv", x, lm_head.kernel[...], precision=_precision(cfg.dtype),
+                        preferred_element_type=jnp.float32)
+  logits = logits.astype(jnp.float32)
+  if cfg.final_softcap is not None:
+    logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+  return logits
 
 
 class Transformer(nnx.Module):
@@ -179,55 +226,63 @@ class Transformer(nnx.Module):
     self.lm_head = None if cfg.tie_embeddings else _linear(cfg, cfg.hidden_size, cfg.vocab_size,
                                                            False, rngs)
 
-  def __call__(self, tokens, positions=None, caches=None, *, impl: str | None = None,
-               last_only: bool = False):
+  def check_inputs(self, tokens, positions, caches, where: str = "Transformer"):
+    """``(tokens [B,T] int, positions [B,T] int32, caches tuple | None)`` as device arrays, or a
+    ValueError naming what is wrong. ``positions`` None: ``0..T-1``, or with caches the first
+    cache's next position onwards."""
     cfg = self.config
-    impl = self.impl if impl is None else impl
-    validation.check_choice("Transformer", "impl", impl, IMPLS)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"Transformer: tokens must be an int array [B,T], got {tokens.dtype} "
+      raise ValueError(f"{where}: tokens must be an int array [B,T], got {tokens.dtype} "
                        f"{tuple(tokens.shape)}")
     b, t = tokens.shape
     if caches is not None:
       caches = tuple(caches)
       if len(caches) != cfg.num_layers:
-        raise ValueError(f"Transformer: caches must hold one cache per layer "
+        raise ValueError(f"{where}: caches must hold one cache per layer "
                          f"({cfg.num_layers}), got {len(caches)}")
     if positions is None:
       start = 0 if caches is None else kv_lib.next_position(caches[0])
       positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     positions = jnp.asarray(positions)
     if tuple(positions.shape) != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
-      raise ValueError(f"Transformer: positions must be an int array [B,T]={(b, t)}, got "
+      raise ValueError(f"{where}: positions must be an int array [B,T]={(b, t)}, got "
                        f"{positions.dtype} {tuple(positions.shape)}")
-    positions = positions.astype(jnp.int32)
+    return tokens, positions.astype(jnp.int32), caches
 
-    x = self.embed(tokens)
-    if cfg.embed_scale:
-      # Gemma rounds the normalizer to the activation dtype (sqrt(3072) -> 55.5 in bf16).
-      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
-    tables = {}
+  def embed_tokens(self, tokens):
+    """``tokens [B,T]`` -> the residual stream ``x [B,T,hidden]``."""
+    return _embed_tokens(self.config, self.embed, tokens)
+
+  def rope_tables(self, positions) -> tuple:
+    """One ``(cos, sin)`` per distinct RoPE of the layers, in :meth:`rope_index` order."""
+    return tuple(rope_tables(r, self.config.head_dim, positions) for r in self._ropes())
+
+  def rope_index(self) -> tuple[int, ...]:
+    """Layer ``i`` uses ``rope_tables(...)[rope_index()[i]]``."""
+    ropes = self._ropes()
+    return tuple(ropes.index(self.config.layer_rope(i)) for i in range(self.config.num_layers))
+
+  def _ropes(self) -> tuple:
+    return tuple(dict.fromkeys(self.config.layer_rope(i) for i in range(self.config.num_layers)))
+
+  def logits(self, x, last_only: bool = False):
+    """The final norm and the output projection: ``x [B,T,hidden]`` -> float32 logits ``[B,T,V]``
+    (``[B,1,V]`` with ``last_only``), softcapped where the model caps them."""
+    return _logits(self.config, self.embed, self.final_norm, self.lm_head, x, last_only)
+
+  def __call__(self, tokens, positions=None, caches=None, *, impl: str | None = None,
+               last_only: bool = False):
+    impl = self.impl if impl is None else impl
+    validation.check_choice("Transformer", "impl", impl, IMPLS)
+    tokens, positions, caches = self.check_inputs(tokens, positions, caches)
+    x = self.embed_tokens(tokens)
+    tables, index = self.rope_tables(positions), self.rope_index()
     new_caches = []
     for i, layer in enumerate(self.layers):
-      rope = cfg.layer_rope(i)
-      if rope not in tables:
-        tables[rope] = rope_tables(rope, cfg.head_dim, positions)
-      x, c = layer(x, positions, tables[rope], None if caches is None else caches[i], impl)
+      x, c = layer(x, positions, tables[index[i]], None if caches is None else caches[i], impl)
       new_caches.append(c)
-    x = self.final_norm(x)
-    if last_only:
-      x = x[:, -1:]
-    if self.lm_head is None:
-      w = self.embed.embedding[...]
-      logits = jnp.einsum("bth,vh->btv", x, w, precision=_precision(cfg.dtype),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("bth,hv->btv", x, self.lm_head.kernel[...],
-                          precision=_precision(cfg.dtype), preferred_element_type=jnp.float32)
-    logits = logits.astype(jnp.float32)
-    if cfg.final_softcap is not None:
-      logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    logits = self.logits(x, last_only)
     if caches is None:
       return logits
     return logits, tuple(new_caches)
@@ -252,4 +307,108 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
     return jitted(state, tokens, positions, caches)
 
   fn.jitted = jitted
+  return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Layered forward: eager across layers, jitted within them
+# ----------------------------------------------------------------------------------------------
+# The programs are built once per (graphdef, state treedef) and cached, so every
+# layered_forward (every generate call) shares their compile cache, and layers of the same
+# structure (all the global layers of a model) share one program per function. The graphdef and
+# treedef are closed over, not static arguments: hashing a graphdef on every call cost ~0.2 ms.
+# Parameters travel as a flat list of arrays (C++ pytree flattening, not nnx Variables').
+@functools.lru_cache(maxsize=None)
+def _edge_programs(cfg: ModelConfig, graphdef, treedef):
+  """(enter, leave): embedding + the RoPE tables of every distinct RoPE; final norm + logits."""
+  ropes = tuple(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
+  modules = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+  @jax.jit
+  def enter(leaves, tokens, positions):
+    embed, _, _ = modules(leaves)
+    return (_embed_tokens(cfg, embed, tokens),
+            tuple(rope_tables(r, cfg.head_dim, positions) for r in ropes))
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def leave(leaves, x, last_only):
+    embed, final_norm, lm_head = modules(leaves)
+    return _logits(cfg, embed, final_norm, lm_head, x, last_only)
+
+  return enter, leave
+
+
+@functools.lru_cache(maxsize=None)
+def _block_programs(graphdef, treedef):
+  """(pre_attention, post_attention, whole block with its cache donated) of one block."""
+  block = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+  pre = jax.jit(lambda leaves, x, rope_cs: block(leaves).pre_attention(x, rope_cs))
+  post = jax.jit(lambda leaves, x, o: block(leaves).post_attention(x, o))
+  whole = jax.jit(lambda leaves, x, positions, rope_cs, cache, impl:
+                  block(leaves)(x, positions, rope_cs, cache, impl),
+                  static_argnums=5, donate_argnums=4)
+  return pre, post, whole
+
+
+def _split_flat(node):
+  graphdef, state = nnx.split(node)
+  leaves, treedef = jax.tree.flatten(state)
+  return graphdef, treedef, leaves
+
+
+def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
+                    schedule: str | None = None):
+  """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
+  as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
+  with a *static* fill (a :class:`rkv.RollingKV`, plain or in a ``TacticKV`` /
+  ``HeadSplitKV``), whose attention is an eager schedule of transfers and device partials or
+  the host CPU kernel.
+
+  Each such layer runs as three steps: a jitted ``pre_attention`` (norm, q/k/v projections,
+  q/k norms, RoPE), the cache's eager :func:`rkv.models.kv.attend`, a jitted
+  ``post_attention`` (output projection, residual, MLP). A resident or ring layer runs as one
+  jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
+  norm + logits are one program each. So a decode step dispatches a handful of programs per
+  layer instead of a few dozen eager ops, and never reads a device value back: the Python
+  thread runs ahead of the device. Every program is specialized on shapes only (a decode step
+  compiles once).
+
+  ``schedule``: the rolling caches' streaming schedule (``rkv.rolling_attention``'s; None = its
+  default). The parameters are a snapshot taken now, as in :func:`jit_forward`; the caches
+  passed in are donated (resident/ring layers) or updated in place (rolling windows and staging
+  tiles): use the returned ones.
+  """
+  impl = model.impl if impl is None else impl
+  validation.check_choice("layered_forward", "impl", impl, IMPLS)
+  cfg = model.config
+  edge_def, edge_tree, edge_leaves = _split_flat((model.embed, model.final_norm, model.lm_head))
+  enter, leave = _edge_programs(cfg, edge_def, edge_tree)
+  blocks = []
+  for layer in model.layers:
+    graphdef, treedef, leaves = _split_flat(layer)
+    blocks.append((_block_programs(graphdef, treedef), leaves))
+  attn_kw = [layer.attn.attention_kwargs(impl) for layer in model.layers]
+  if schedule is not None:
+    attn_kw = [dict(kw, schedule=schedule) for kw in attn_kw]
+  index = model.rope_index()
+
+  def fn(tokens, positions=None, caches=None):
+    if caches is None:
+      raise ValueError("layered_forward: caches are required (without caches, call the model "
+                       "or jit_forward)")
+    tokens, positions, caches = model.check_inputs(tokens, positions, caches,
+                                                   where="layered_forward")
+    x, tables = enter(edge_leaves, tokens, positions)
+    new_caches = []
+    for i, ((pre, post, whole), leaves) in enumerate(blocks):
+      cache, rope_cs = caches[i], tables[index[i]]
+      if isinstance(cache, kv_lib.ResidentCache):  # a RingCache too
+        x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
+      else:
+        q, k, v = pre(leaves, x, rope_cs)
+        o, cache = kv_lib.attend(cache, q, k, v, positions, **attn_kw[i])
+        x = post(leaves, x, o)
+      new_caches.append(cache)
+    return leave(edge_leaves, x, last_only), tuple(new_caches)
+
   return fn
