@@ -80,6 +80,20 @@ def test_kv_dtypes(dtype, t, g):
          ref.attention(q, k, v, k_scale=ks, v_scale=vs), dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "float32"])
+@pytest.mark.parametrize("t,g,d", [(1, 1, 80), (1, 2, 80), (1, 3, 48), (1, 5, 80), (2, 1, 16),
+                                   (2, 2, 32), (1, 4, 16)])
+def test_register_blocked_path(dtype, t, g, d):
+  # D % 16 == 0 takes the register-blocked path (query rows in groups of <= 4, bf16
+  # in even/odd column order); the spread-out q_pos leaves some rows without a key in whole
+  # blocks (and, with the window, in whole chunks) while other rows of the head see keys there.
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, d, 613, dtype, seed=11)
+  q_pos = np.array([[40, 600][:t], [300, 612][:t]], np.int32)
+  for opts in (dict(), dict(window=90), dict(softcap=2.5, causal=False)):
+    _check(ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs, **opts),
+           ref.attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs, **opts), dtype)
+
+
 @pytest.mark.parametrize("q_dtype", [BF16, np.float16])
 def test_query_dtypes(q_dtype):
   q, k, v, _, _ = _data(1, 4, 8, 2, 64, 200, "bfloat16", q_dtype=q_dtype)

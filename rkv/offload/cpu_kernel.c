@@ -17,7 +17,10 @@
  * line is fetched for another core. Within an item, cells go in blocks of RKV_BLOCK (32); per
  * block and KV head, the head's 32 K rows serve all G*T query rows of that head (GQA reuse: every
  * K/V byte comes from memory once; the later rows hit L1), then the same for V. The next block is
- * software-prefetched, spread over the current block's dot products. Items run under an OpenMP
+ * software-prefetched into L2 (prefetcht1) in memory order (cell by cell: its K rows of all
+ * heads, then its V rows), a 1/K share spread over each head's compute; prefetching only the
+ * same head's rows of the next block (256-byte pieces at a 2 KiB stride) into L1 streamed at
+ * 8.6 GB/s where this streams at 13.5 GB/s (dev box, one thread, hot case). Items run under an OpenMP
  * dynamic schedule; each leaves an unnormalized partial (acc, m, l) per row, and a second phase
  * merges the partials of each (b, head) in chunk order with float64 LSE weights. The chunk size
  * depends only on the shapes (never on the thread count), so the result is bit-identical for any
@@ -28,13 +31,25 @@
  * its K/V bytes are touched, so NaN there cannot leak; a row that sees no key returns o = 0,
  * lse = -inf. int8 scales multiply the logit (k) and the weight (v), not the elements.
  *
- * Vectorization: AVX2 + FMA + F16C intrinsics when compiled for x86-64-v3. K/V elements are
- * converted to float32 in registers as they are used (bf16: zero-extend and shift left 16; f16:
- * vcvtph2ps; int8: sign-extend and convert); 8-key dot products run as 8 FMA chains reduced by
- * one hadd tree; exp is a Cephes polynomial. With many query rows per head (G*T >=
- * RKV_STAGE_ROWS) the head's rows of a block are first converted into an L1 float32 buffer
- * instead. Other targets (aarch64 hosts) take portable C loops that the compiler auto-vectorizes;
- * the two paths agree to float32 rounding, not bit for bit.
+ * Vectorization: AVX2 + FMA + F16C intrinsics when compiled for x86-64-v3; exp is a Cephes
+ * polynomial. With D % 16 == 0 (the hot case: bf16, T=1, G=4, D=128) the register-blocked path:
+ * K/V come 16 elements at a time (load16) and each converted chunk is FMAed into up to 4 query
+ * rows at once (qk_rows: 2 cells x 4 rows = 8 FMA chains, one hadd tree per 2 cells; pv_rows: 4
+ * rows x 16 columns = 8 accumulators), so a K/V element is converted once per 4 rows, not once per
+ * row. bf16 needs no shuffle at all: one 256-bit load of 16 bf16, `x << 16` = the even elements and
+ * `x & 0xffff0000` = the odd ones as float32; the query rows and the V accumulators of this path
+ * are kept in that (even, odd) order per 16 columns (q permuted once per item, acc un-permuted on
+ * output). f16 converts with vcvtph2ps, int8 sign-extends, both in natural order. Other head
+ * dims take the older paths: 8-key dot products converted per row in registers (bf16:
+ * zero-extend and shift), or, with many rows (G*T >= RKV_STAGE_ROWS), the head's rows of a block
+ * converted once into an L1 float32 buffer. Other targets (aarch64 hosts) take portable C loops
+ * that the compiler auto-vectorizes; the paths agree to float32 rounding, not bit for bit (each
+ * path is deterministic, and which one runs depends on the shapes only).
+ *
+ * Measured (dev box: 2-core AMD EPYC Zen 4 VM, bf16, T=1, H=32, K=8, D=128, B=1, 1 GiB of K+V,
+ * /tmp-style micro-benchmark, median): 1 thread 6.3 -> 13.5 GB/s, 2 threads 12.4 -> 26 GB/s,
+ * against a plain read (rkv_read_sum) of ~30 GB/s. Per (cell, KV head), in TSC cycles: 205 -> 98
+ * out of cache, 138 -> 87 in cache (QK ~37, softmax ~10, p @ V ~36; the FMAs alone are ~45).
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,10 +72,13 @@
 #define RKV_MIN_CHUNK 256      /* cells: below this, per-item overhead dominates */
 #define RKV_PARTIAL_BYTES (64LL << 20) /* cap on the partials buffer */
 #ifndef RKV_STAGE_ROWS
-/* From this many query rows per KV head (G*T), a head's K/V rows of a block are converted once
- * into an L1-resident float32 buffer; below it each row converts them in registers. Measured on
- * the dev box (in cache, bf16, D=128): at G*T = 4 direct was 115 vs 132 cycles per (cell, head),
- * at 8 staged 184 vs 240, at 128 staged 2650 vs 4070. */
+/* Head dims not a multiple of 16 only (the register-blocked path takes the rest): from this many
+ * query rows per KV head (G*T), a head's K/V rows of a block are converted once into an
+ * L1-resident float32 buffer; below it each row converts them in registers. Measured on the dev
+ * box (in cache, bf16, D=128): at G*T = 4 direct was 115 vs 132 cycles per (cell, head), at 8
+ * staged 184 vs 240, at 128 staged 2650 vs 4070. The register-blocked path, same box, in L3, TSC
+ * cycles: 87 at G*T = 4 (old direct 138), 160 at 8 (staged 210), 620 at 32 (650), 2550 at 128
+ * (2500). */
 #define RKV_STAGE_ROWS 6
 #endif
 
@@ -150,8 +168,8 @@ RKV_INLINE float load1(const char* p, int64_t d, const int dtype) {
 #if RKV_AVX2
 /* Elements [d, d+8) of a row as float32, converted in registers. Converting into a float32
  * staging buffer instead cost ~2.5x in load bandwidth on the dev box (streaming loads and the
- * buffer's stores contend), so K/V rows are re-converted by each query row that uses them
- * (they sit in L1 by then). */
+ * buffer's stores contend), so on the per-row path K/V rows are re-converted by each query row
+ * that uses them (they sit in L1 by then); the register-blocked path converts once per 4 rows. */
 RKV_INLINE __m256 load8(const char* p, int64_t d, const int dtype) {
   switch (dtype) {
     case RKV_F32: return _mm256_loadu_ps((const float*)p + d);
@@ -335,19 +353,173 @@ static size_t elem_size(int dtype) {
 }
 
 /* Software prefetch of the next block, spread over the current block's compute: a burst of
- * prefetches at block start stalled on the miss buffers and did not overlap (dev box). */
+ * prefetches at block start stalled on the miss buffers and did not overlap (dev box). Hint 2
+ * (prefetcht1, into L2): 13.1 GB/s; 3 (L1), 10.0; 0 (non-temporal), 9.9 (dev box, hot case). */
+#ifndef RKV_PF_HINT
+#define RKV_PF_HINT 2
+#endif
 typedef struct {
-  const char* rows[2 * RKV_BLOCK];
-  int nrows, row, line, lines_per_row;
+  const char* const* kc;  /* [ncell] the next block's cells: head-0 K rows */
+  const char* const* vc;
+  int64_t kstep, vstep;   /* bytes from one head's row to the next */
+  int64_t row_bytes;
+  int ncell, nhead;
+  int j, h, kv;           /* the row being prefetched: cell j, head h, K (0) or V (1) */
+  const char* line;       /* its next line */
+  const char* end;        /* its end */
 } prefetcher;
 
+RKV_INLINE void prefetch_row(prefetcher* pf) {
+  const char* r = (pf->kv ? pf->vc[pf->j] + pf->h * pf->vstep : pf->kc[pf->j] + pf->h * pf->kstep);
+  pf->line = (const char*)((uintptr_t)r & ~(uintptr_t)63);
+  pf->end = r + pf->row_bytes;
+}
+
+RKV_INLINE void prefetch_init(prefetcher* pf, const char* const* kc, const char* const* vc,
+                              int ncell, int nhead, int64_t kstep, int64_t vstep,
+                              int64_t row_bytes) {
+  pf->kc = kc; pf->vc = vc; pf->ncell = ncell; pf->nhead = nhead;
+  pf->kstep = kstep; pf->vstep = vstep; pf->row_bytes = row_bytes;
+  if (kstep == row_bytes && vstep == row_bytes) {  /* a cell's heads are one range */
+    pf->nhead = 1;
+    pf->row_bytes = row_bytes * nhead;
+  }
+  pf->j = pf->h = pf->kv = 0;
+  pf->line = pf->end = NULL;
+  if (ncell > 0) prefetch_row(pf);
+}
+
+/* n more lines, in memory order of a contiguous cell: cell by cell, its K rows (all heads) then
+ * its V rows. */
 RKV_INLINE void prefetch_some(prefetcher* pf, int n) {
-  while (n > 0 && pf->row < pf->nrows) {
-    __builtin_prefetch(pf->rows[pf->row] + 64 * pf->line, 0, 3);
-    n--;
-    if (++pf->line == pf->lines_per_row) { pf->line = 0; pf->row++; }
+  while (n > 0 && pf->j < pf->ncell) {
+    const char* line = pf->line;
+    const int left = (int)((pf->end - line + 63) / 64);
+    const int k = left < n ? left : n;
+    for (int x = 0; x < k; x++) __builtin_prefetch(line + 64 * x, 0, RKV_PF_HINT);
+    n -= k;
+    pf->line = line + 64 * k;
+    if (k == left) {
+      if (++pf->h == pf->nhead) {
+        pf->h = 0;
+        if (++pf->kv == 2) { pf->kv = 0; pf->j++; }
+      }
+      if (pf->j < pf->ncell) prefetch_row(pf);
+    }
   }
 }
+
+#if RKV_AVX2
+/* ------------------------------------------------------------------------------------------ */
+/* Register-blocked path (D % 16 == 0, any G*T: query rows in groups of up to 4)               */
+/* ------------------------------------------------------------------------------------------ */
+/* Elements [d, d+16) of a row as two float32 vectors. bf16 comes from ONE 256-bit load with no
+ * shuffle: each 32-bit word holds elements (2i, 2i+1), so `x << 16` is the even elements and
+ * `x & 0xffff0000` the odd ones, exactly as float32. The query rows and V accumulators of this
+ * path are kept in that even/odd order per 16 columns (rkv_perm16: q permuted once per item, acc
+ * un-permuted on output), so the dot products and p @ V need no cross-lane work. Other dtypes
+ * return elements [d, d+8) and [d+8, d+16) in natural order. */
+#define RKV_PERM16(dtype) ((dtype) == RKV_BF16)
+/* Keeps a loaded vector in a register: gcc otherwise folds the load into every instruction that
+ * uses it (a K chunk loaded twice, a q chunk once per cell), and the loads, not the FMAs, bound
+ * the dot products (dev box). */
+#define RKV_IN_REG(x) __asm__("" : "+x"(x))
+RKV_INLINE void load16(const char* p, int64_t d, const int dtype, __m256* lo, __m256* hi) {
+  if (dtype == RKV_BF16) {
+    __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + d));
+    RKV_IN_REG(x);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+  } else {
+    *lo = load8(p, d, dtype);
+    *hi = load8(p, d + 8, dtype);
+  }
+}
+
+/* Logits of NR query rows (q rows at stride Dp, in load16 order) against the block's key rows
+ * kp[0..nv8): each K row chunk is loaded and converted once and FMAed into all NR rows;
+ * NC = 8 / NR cells at a time keep 8 independent FMA chains, reduced by one hadd tree. Writes
+ * lg[r * RKV_BLOCK + j]. Spreads pf_n prefetches of the next block over its steps. */
+RKV_INLINE void qk_rows(const float* restrict q, int64_t Dp, const char* const* kp, int nv8,
+                        int64_t D, const int dtype, float* restrict lg, prefetcher* pf,
+                        int pf_n, const int NR) {
+  const int NC = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+  const int steps = nv8 / NC;
+  const int pf_step = (pf_n + steps - 1) / steps;
+  for (int j = 0; j < nv8; j += NC) {
+    __m256 a[8];
+    for (int x = 0; x < 8; x++) a[x] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 k0[8], k1[8];
+      for (int c = 0; c < NC; c++) load16(kp[j + c], d, dtype, &k0[c], &k1[c]);
+      for (int r = 0; r < NR; r++) {
+        __m256 q0 = _mm256_load_ps(q + r * Dp + d), q1 = _mm256_load_ps(q + r * Dp + d + 8);
+        if (NC > 1) { RKV_IN_REG(q0); RKV_IN_REG(q1); }
+        for (int c = 0; c < NC; c++) {
+          a[r * NC + c] = _mm256_fmadd_ps(q0, k0[c], a[r * NC + c]);
+          a[r * NC + c] = _mm256_fmadd_ps(q1, k1[c], a[r * NC + c]);
+        }
+      }
+    }
+    /* s[x] = sum of a[x]: x = r * NC + c */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                   _mm256_permute2f128_ps(u0, u1, 0x31));
+    if (NR == 1) {
+      _mm256_store_ps(lg + j, s);
+    } else {
+      float tmp[8] __attribute__((aligned(32)));
+      _mm256_store_ps(tmp, s);
+      for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) lg[r * RKV_BLOCK + j + c] = tmp[r * NC + c];
+    }
+    prefetch_some(pf, pf_step);
+  }
+}
+
+/* acc[r][d0:d1) = acc * alpha[r] + sum_{j<nv} w[r][j] * v_j for NR rows (acc rows at stride Dp,
+ * w rows at stride RKV_BLOCK), DC chunks of 16 columns at a time: each V row chunk is loaded and
+ * converted once for all NR rows; 2 * NR * DC (8, or 6 at NR = 3) accumulator chains. Returns
+ * the first column it did not do (d1 rounded down to whole steps). */
+RKV_INLINE int64_t pv_rows_part(float* restrict acc, int64_t Dp, const float* restrict alpha,
+                                const float* restrict w, const char* const* vp, int nv,
+                                int64_t d0, int64_t d1, const int dtype, prefetcher* pf,
+                                int pf_step, const int NR, const int DC) {
+  int64_t d = d0;
+  for (; d + 16 * DC <= d1; d += 16 * DC) {
+    __m256 c[8];
+    for (int r = 0; r < NR; r++) {
+      const __m256 al = _mm256_set1_ps(alpha[r]);
+      for (int x = 0; x < 2 * DC; x++)
+        c[r * 2 * DC + x] = _mm256_mul_ps(_mm256_load_ps(acc + r * Dp + d + 8 * x), al);
+    }
+    for (int j = 0; j < nv; j++) {
+      __m256 v[8];
+      for (int x = 0; x < DC; x++) load16(vp[j], d + 16 * x, dtype, &v[2 * x], &v[2 * x + 1]);
+      for (int r = 0; r < NR; r++) {
+        const __m256 wj = _mm256_broadcast_ss(w + r * RKV_BLOCK + j);
+        for (int x = 0; x < 2 * DC; x++)
+          c[r * 2 * DC + x] = _mm256_fmadd_ps(wj, v[x], c[r * 2 * DC + x]);
+      }
+    }
+    for (int r = 0; r < NR; r++)
+      for (int x = 0; x < 2 * DC; x++) _mm256_store_ps(acc + r * Dp + d + 8 * x, c[r * 2 * DC + x]);
+    prefetch_some(pf, pf_step);
+  }
+  return d;
+}
+
+RKV_INLINE void pv_rows(float* restrict acc, int64_t Dp, const float* restrict alpha,
+                        const float* restrict w, const char* const* vp, int nv, int64_t D,
+                        const int dtype, prefetcher* pf, int pf_n, const int NR) {
+  const int DC = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  const int steps = (int)(D / (16 * DC)) + (int)(D % (16 * DC) / 16);
+  const int pf_step = (pf_n + steps - 1) / steps;
+  int64_t d = pv_rows_part(acc, Dp, alpha, w, vp, nv, 0, D, dtype, pf, pf_step, NR, DC);
+  if (DC > 1) pv_rows_part(acc, Dp, alpha, w, vp, nv, d, D, dtype, pf, pf_step, NR, 1);
+}
+#endif
 
 RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64_t s1,
                             scratch* w, float* p_acc, float* p_m, float* p_l, const int dtype) {
@@ -362,7 +534,8 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
   const float softcap = a->softcap, inv_cap = cap ? 1.0f / a->softcap : 0.0f;
   const int32_t* qp = a->q_pos + b * T;
   const int64_t row_bytes = D * es;
-  /* +1: a row not aligned to 64 bytes touches one more line (a prefetch past the end is harmless) */
+  /* Lines prefetched per (cell, head), K and V (+1: a row not aligned to 64 bytes touches one
+   * more line); a budget, the prefetcher walks the exact lines. */
   const int lines_per_row = (int)((row_bytes + 63) / 64) + 1;
 
   /* Scaled queries: row r = t * G + g of head h = kh * G + g. */
@@ -374,6 +547,19 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
         for (int64_t d = D; d < Dp; d++) dst[d] = 0.0f;
       }
+  /* The register-blocked path (a function of the shapes only, like every choice here). */
+  const int fast = RKV_AVX2 && D % 16 == 0;
+#if RKV_AVX2
+  if (fast && RKV_PERM16(dtype))  /* each 16 columns as (even, odd): load16's order */
+    for (int64_t x = 0; x < K * R; x++) {
+      float* row = w->qs + x * Dp;
+      for (int64_t d = 0; d < D; d += 16) {
+        float tmp[16];
+        for (int e = 0; e < 8; e++) { tmp[e] = row[d + 2 * e]; tmp[8 + e] = row[d + 2 * e + 1]; }
+        memcpy(row + d, tmp, sizeof tmp);
+      }
+    }
+#endif
   for (int64_t x = 0; x < K * R; x++) { w->m[x] = -INFINITY; w->l[x] = 0.0f; }
   memset(w->acc, 0, sizeof(float) * K * R * Dp);
 
@@ -415,6 +601,9 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
     }
     if (nv == 0) continue;
     const int nv8 = (nv + 7) & ~7;
+    prefetcher pf;  /* the next block, a 1/K share during each head's compute */
+    prefetch_init(&pf, w->nkcell, w->nvcell, (int)nxt, (int)K, es * ks[2], es * vs[2], row_bytes);
+    const int pf_head = (int)(2 * nxt * lines_per_row);
     for (int64_t t = 0; t < T; t++)
       for (int j = nv; j < nv8; j++) w->madd[t * RKV_BLOCK + j] = -INFINITY;
 
@@ -430,16 +619,8 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         }
       }
       for (int j = nv; j < nv8; j++) { kp[j] = kp[0]; w->kfac[j] = 1.0f; }  /* masked lanes */
-      prefetcher pf;
-      pf.nrows = (int)(2 * nxt);
-      pf.row = pf.line = 0;
-      pf.lines_per_row = lines_per_row;
-      for (int64_t j = 0; j < nxt; j++) {
-        pf.rows[2 * j] = w->nkcell[j] + es * kh * ks[2];
-        pf.rows[2 * j + 1] = w->nvcell[j] + es * kh * vs[2];
-      }
-      const int pf_per_row = (pf.nrows * lines_per_row + (int)R - 1) / (int)R;
-      const int staged = !RKV_AVX2 || (dtype != RKV_F32 && R >= RKV_STAGE_ROWS);
+      const int pf_per_row = (pf_head + (int)R - 1) / (int)R;
+      const int staged = !RKV_AVX2 || (!fast && dtype != RKV_F32 && R >= RKV_STAGE_ROWS);
       const char* kps[RKV_BLOCK];  /* staged rows (float32) */
       const char* vps[RKV_BLOCK];
       if (staged) {
@@ -462,6 +643,22 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
       float* m = w->m + kh * R;
       float* l = w->l + kh * R;
       int any_row = 0;
+#if RKV_AVX2
+      if (fast) {  /* all rows' logits first: each K row is converted once per 4 query rows */
+        const int ng = (int)((R + 3) / 4);
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+          const float* qr = w->qs + (kh * R + r0) * Dp;
+          float* lgr = w->lg + r0 * RKV_BLOCK;
+          const int pn = pf_head / 2 / ng + 1;
+          switch (R - r0 >= 4 ? 4 : (int)(R - r0)) {
+            case 4: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 4); break;
+            case 3: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 3); break;
+            case 2: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 2); break;
+            default: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 1); break;
+          }
+        }
+      }
+#endif
       for (int64_t r = 0; r < R; r++) {
         const int64_t t = r / G;
         const float* qrow = w->qs + (kh * R + r) * Dp;
@@ -469,11 +666,18 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         const float* madd = w->madd + t * RKV_BLOCK;
         float mx;
 #if RKV_AVX2
-        for (int j = 0; j < nv8; j += 8) {
-          __m256 x = staged ? dot8(qrow, kps + j, Dp, RKV_F32) : dot8(qrow, kp + j, D, dtype);
-          if (quant) x = _mm256_mul_ps(x, _mm256_loadu_ps(w->kfac + j));
-          _mm256_store_ps(lg + j, x);
-          prefetch_some(&pf, pf_per_row / (nv8 / 8) + 1);
+        if (fast) {
+          if (quant)
+            for (int j = 0; j < nv8; j += 8)
+              _mm256_store_ps(lg + j, _mm256_mul_ps(_mm256_load_ps(lg + j),
+                                                    _mm256_loadu_ps(w->kfac + j)));
+        } else {
+          for (int j = 0; j < nv8; j += 8) {
+            __m256 x = staged ? dot8(qrow, kps + j, Dp, RKV_F32) : dot8(qrow, kp + j, D, dtype);
+            if (quant) x = _mm256_mul_ps(x, _mm256_loadu_ps(w->kfac + j));
+            _mm256_store_ps(lg + j, x);
+            prefetch_some(&pf, pf_per_row / (nv8 / 8) + 1);
+          }
         }
         if (cap)
           for (int j = 0; j < nv; j++) lg[j] = softcap * tanhf(lg[j] * inv_cap);
@@ -500,7 +704,14 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
           mx = x > mx ? x : mx;
         }
 #endif
-        if (mx == -INFINITY) { w->seen[r] = 0; continue; }
+        if (mx == -INFINITY) {
+          w->seen[r] = 0;
+          if (fast) {  /* p @ V runs over groups of rows: this one adds 0 * V and keeps acc */
+            w->alpha[r] = 1.0f;
+            for (int j = 0; j < nv8; j++) lg[j] = 0.0f;
+          }
+          continue;
+        }
         const float mnew = m[r] > mx ? m[r] : mx;
         const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
         float sum;
@@ -532,10 +743,23 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         w->seen[r] = 1;
         any_row = 1;
       }
-      prefetch_some(&pf, pf.nrows * lines_per_row);  /* whatever is left */
       if (!any_row) continue;
 #if RKV_AVX2
-      if (staged) {
+      if (fast) {
+        const int ng = (int)((R + 3) / 4);
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+          float* ar = w->acc + (kh * R + r0) * Dp;
+          const float* al = w->alpha + r0;
+          const float* wr = w->lg + r0 * RKV_BLOCK;
+          const int pn = pf_head / 2 / ng + 1;
+          switch (R - r0 >= 4 ? 4 : (int)(R - r0)) {
+            case 4: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 4); break;
+            case 3: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 3); break;
+            case 2: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 2); break;
+            default: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 1); break;
+          }
+        }
+      } else if (staged) {
         for (int j = 0; j < nv; j++) {
           float* dst = w->vf + j * Dp;
           int64_t d = 0;
@@ -571,9 +795,18 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
       }
 #endif
     }
+    prefetch_some(&pf, 1 << 30);  /* whatever is left */
   }
   /* The unnormalized partial of this item: acc [K][R][D], m and l [K][R]. */
   for (int64_t x = 0; x < K * R; x++) {
+#if RKV_AVX2
+    if (fast && RKV_PERM16(dtype)) {  /* back from (even, odd) per 16 columns */
+      const float* src = w->acc + x * Dp;
+      float* dst = p_acc + x * D;
+      for (int64_t d = 0; d < D; d += 16)
+        for (int e = 0; e < 8; e++) { dst[d + 2 * e] = src[d + e]; dst[d + 2 * e + 1] = src[d + 8 + e]; }
+    } else
+#endif
     memcpy(p_acc + x * D, w->acc + x * Dp, sizeof(float) * D);
     p_m[x] = w->m[x];
     p_l[x] = w->l[x];
