@@ -64,7 +64,16 @@ def find_compiler() -> str:
 
 def source_hash() -> str:
   """Hash of ``cpu_kernel.c``; compiled into the library (``rkv_cpu_kernel_source_hash``)."""
-  with open(SOURCE, "rb") as f:
+  st = os.stat(SOURCE)
+  return _file_hash(SOURCE, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_hash(path: str, mtime_ns: int, size: int) -> str:
+  # Keyed by the file's stat: every kernel call resolves the library path, and reading and
+  # hashing the source each time cost ~70 us a call.
+  del mtime_ns, size
+  with open(path, "rb") as f:
     return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
