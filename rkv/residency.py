@@ -130,7 +130,7 @@ class Profile:
   side's rate while the DMA stream and the CPU kernel run at the same time on disjoint tiles
   (they share host memory bandwidth and the cores; None: the side's solo rate).
   ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
-  DMA reads of a hybrid split). ``copy_latency_us``: fixed cost of one small host↔device copy
+  DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``: fixed cost of one small host↔device copy
   (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
   tail) hidden under the longer: 1 = perfect overlap (the §6 model, a max), 0 = a sum.
   ``details``: raw measurements and the reason for each ``None``.
@@ -376,13 +376,18 @@ def hybrid_rates(profile: Profile, contended: bool = True) -> tuple[float, float
 def hybrid_tail_time(stream_bytes: float, cpu_bytes: float, profile: Profile) -> float | None:
   """Seconds of a hybrid's tail part, ``stream_bytes`` streamed while the CPU attends
   ``cpu_bytes``: the slower side (:func:`transfer_time`, :func:`cpu_tail_time`; contended rates
-  when both sides run), at least all the bytes over ``host_read`` (the DMA and the CPU read the
-  same host memory). None without a CPU figure."""
-  rates = hybrid_rates(profile, contended=stream_bytes > 0 and cpu_bytes > 0)
+  when both sides run). Without measured contended rates, at least all the bytes over
+  ``host_read`` (the DMA and the CPU read the same host memory); with them, the contention is
+  in the rates and no floor applies: on the H200 host the two sides together read 3.2 GB in
+  27.2 ms (119 GB/s) where plain reads on 15 threads measured 90.7 GB/s
+  (tactics_bench_h200_run4.json, 1M, 25%). None without a CPU figure."""
+  both = stream_bytes > 0 and cpu_bytes > 0
+  rates = hybrid_rates(profile, contended=both)
   if rates is None:
     return None
   prate, crate = rates
-  floor_s = (0.0 if profile.host_read_gbps is None
+  measured = profile.hybrid_pcie_gbps is not None and profile.hybrid_cpu_gbps is not None
+  floor_s = (0.0 if profile.host_read_gbps is None or (both and measured)
              else (stream_bytes + cpu_bytes) / (profile.host_read_gbps * GB))
   return max(transfer_time(stream_bytes, profile, prate), cpu_tail_time(cpu_bytes, profile, crate),
              floor_s)
@@ -403,7 +408,7 @@ def hybrid_split(tail_bytes: float, profile: Profile,
                  tile_bytes: float | None = None) -> tuple[float, float] | None:
   """``(fraction of the tail streamed, seconds of the tail part)`` with both sides finishing
   together under contention (:func:`_balanced_fraction`; without fixed costs or contended rates
-  ``f = PCIe / (PCIe + CPU)`` and the time ``Bt / (PCIe + CPU)``), at least ``Bt / host_read``.
+  ``f = PCIe / (PCIe + CPU)`` and the time ``Bt / (PCIe + CPU)``, at least ``Bt / host_read``).
   With ``tile_bytes`` the split is in whole tiles (the tail is stored in tiles): the better of
   rounding ``f * n`` down or up, timed by :func:`hybrid_tail_time`. None without a CPU figure."""
   if cpu_rate(profile) is None:

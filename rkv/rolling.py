@@ -188,12 +188,14 @@ def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):
     b, t = jnp.shape(q)[:2]
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (kv.fill - t), (b, t))
   outs = []
-  if kv.resident is not None:
-    outs.append(rolling_attention(q[:, :, :r * g], kv.resident, q_pos=q_pos, tactic="stream",
-                                  **kw))
+  # The rolled heads first: their tail transfers are issued before the resident heads' partial
+  # is dispatched, so the copy engine starts at once and that partial runs under the transfers.
   if kv.rolled is not None:
     outs.append(rolling_attention(q[:, :, r * g:], kv.rolled, q_pos=q_pos, tactic="stream",
                                   **kw))
+  if kv.resident is not None:
+    outs.insert(0, rolling_attention(q[:, :, :r * g], kv.resident, q_pos=q_pos,
+                                     tactic="stream", **kw))
   if len(outs) == 1:
     return outs[0]
   return (jnp.concatenate([o for o, _ in outs], axis=2),
