@@ -39,10 +39,10 @@ _CPU = flags.DEFINE_bool("cpu", True, "Measure host-CPU attention (if its module
 _CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", 131072, "KV length of the CPU attention timing.")
 _CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", 32768,
                                  "Tail tile of the CPU timings and of the probe's RollingKV.")
-_TAIL_TILES = flags.DEFINE_list("tail_tiles", ["1", "4", "8"],
+_TAIL_TILES = flags.DEFINE_list("tail_tiles", [str(n) for n in probe.ProbeConfig.tail_tiles],
                                 "Tail sizes (tiles) of the cpu path's fit: cpu_attn_gbps and "
                                 "cpu_overhead_us.")
-_CONTENTION = flags.DEFINE_integer("contention_tiles", 8,
+_CONTENTION = flags.DEFINE_integer("contention_tiles", probe.ProbeConfig.contention_tiles,
                                    "Tiles of the hybrid contention step (0: not measured).")
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads (default: the tactics' default, all "

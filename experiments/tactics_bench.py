@@ -22,6 +22,7 @@ CPU smoke run:
 
 from absl import app, flags
 
+from rkv import probe
 from rkv.offload import tactics_bench
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["262144", "1048576"], "Context lengths (cells).")
@@ -49,9 +50,9 @@ _P_KV_LENS = flags.DEFINE_list("probe_attn_kv_lens", ["131072", "524288"],
                                "Probe: device attention KV lengths.")
 _P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", 131072, "Probe: CPU attention KV length.")
 _P_READ = flags.DEFINE_float("probe_host_read_mib", 1024, "Probe: host read buffer (MiB).")
-_P_TAIL = flags.DEFINE_list("probe_tail_tiles", ["1", "4", "8"],
+_P_TAIL = flags.DEFINE_list("probe_tail_tiles", [str(n) for n in probe.ProbeConfig.tail_tiles],
                             "Probe: tail sizes (tiles) of the cpu tactic's rate + fixed cost fit.")
-_P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", 8,
+_P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", probe.ProbeConfig.contention_tiles,
                                      "Probe: tiles of the hybrid contention step (0: none).")
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads of the cpu / hybrid rows and the probe "

@@ -94,8 +94,10 @@ class ProbeConfig:
   cpu: bool = True
   cpu_kv_len: int = 131072
   cpu_tile_cells: int = 32768
-  tail_tiles: tuple[int, ...] = (1, 4, 8)
-  contention_tiles: int = 8
+  # Up to 2 GiB (16 tiles of 128 MiB at bf16 K=8 D=128): fits from 1 GiB down extrapolated the
+  # CPU side of 1-3 GB hybrid tails 10-15% slow on the H200 (tactics_bench_h200_run5.json).
+  tail_tiles: tuple[int, ...] = (2, 8, 16)
+  contention_tiles: int = 16
   cpu_threads: int | None = None
   host_read_mib: float = 1024
   warmup: int = 2

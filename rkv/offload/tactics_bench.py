@@ -87,8 +87,8 @@ class TacticsConfig:
   probe_attn_kv_lens: tuple[int, ...] = (131072, 524288)
   probe_cpu_kv_len: int = 131072
   probe_host_read_mib: float = 1024
-  probe_tail_tiles: tuple[int, ...] = (1, 4, 8)
-  probe_contention_tiles: int = 8
+  probe_tail_tiles: tuple[int, ...] = probe_lib.ProbeConfig.tail_tiles
+  probe_contention_tiles: int = probe_lib.ProbeConfig.contention_tiles
   cpu_threads: int | None = None
   seed: int = 0
 
