@@ -231,39 +231,29 @@ class Profile:
     return cls.from_json(data, where=f"Profile.load({path})")
 
 
-# The H200 of DESIGN.md §5 (jax 0.11.2, bf16, PCIe Gen5 x16): the figures rkv.probe measured on
-# it (benchmarks/results/profile_h200.json, probe format version 1), except where noted.
+# The H200 of DESIGN.md §5 (jax 0.11.2, bf16, PCIe Gen5 x16, 16-core host): the figures rkv.probe
+# measured there with the current CPU kernel (benchmarks/results/profile_h200_v3.json, probed in
+# tactics_bench_h200_run6.json, whose every tactic ran within 0.87-1.11x of this model), rounded.
+# Machines of the kind differ run to run (host read 79.6-97.1 GB/s across five runs): run
+# experiments/probe.py on yours. The first probe's figures (format 1, before the fixed costs and
+# the register-blocked kernel) are in benchmarks/results/profile_h200.json.
 H200_DEFAULT = Profile(
-    # The 1 GiB pinned_host → device device_put (median): 52.79 GB/s; device→host 52.52. That
-    # probe's two sizes (64 MiB: 1.985 ms, 1 GiB: 20.34 ms) fit 54.84 GB/s + 761 us a put, which
-    # the streamed tails of benchmarks/results/tactics_bench_h200_run1.json (270 MB to 3.2 GB)
-    # followed within 1% (one put's fixed cost per call): kept in details, not used here, since
-    # transfer_overhead_us was not a probed figure then (None: the rate alone, which that fit
-    # keeps within 4% from 1 GiB up). A profile from today's probe carries both.
-    pcie_gbps=52.79, d2h_gbps=52.52,
+    # pinned_host <-> device device_put over 64 MiB .. 1 GiB: 54.30 GB/s + 787 us a call (one
+    # fixed cost per streamed call, not per tile); device -> host 52.52 GB/s.
+    pcie_gbps=54.30, d2h_gbps=52.52, transfer_overhead_us=787.4,
     # Decode attention fit (rkv.attention, B=1 H=32 K=8 D=128 bf16, 128K and 512K keys).
-    hbm_gbps=4635.0, attn_overhead_us=22.0,
-    # rkv.offload.cpu_attention.measure_cpu_attention (the C kernel over numpy memory, 128K cells,
-    # best of 7): 56.1 GB/s. Its fixed cost through the cpu tactic's path was not measured by that
-    # probe (cpu_overhead_us None: the model adds the partial copy instead).
-    cpu_attn_gbps=56.08,
-    # measure_host_read_bandwidth, 1 GiB; noisy: 95.5 and 126.6 GB/s in two runs (the lower kept).
-    host_read_gbps=95.5,
-    # A 4 KiB pinned_host → device device_put (median): 197 us.
-    copy_latency_us=196.7,
+    hbm_gbps=4591.2, attn_overhead_us=17.59,
+    # The cpu tactic's path over 2/8/16 pinned tiles of 128 MiB on 15 threads: 83.82 GB/s +
+    # 2188 us; each side while a hybrid runs both (16 tiles, 10 on the CPU): PCIe 47.98, CPU 71.18.
+    cpu_attn_gbps=83.82, cpu_overhead_us=2188.1, hybrid_pcie_gbps=47.98, hybrid_cpu_gbps=71.18,
+    # measure_host_read_bandwidth, 1 GiB, 15 threads.
+    host_read_gbps=97.06,
+    # A 4 KiB pinned_host -> device device_put (median).
+    copy_latency_us=139.3,
     # §6: the model is the max (perfect overlap); §5 measured ~20% hidden for a naive jit.
     overlap=1.0,
-    # Not measured by that probe: the fixed costs and each side's rate while the hybrid runs both.
-    transfer_overhead_us=None, cpu_overhead_us=None, hybrid_pcie_gbps=None, hybrid_cpu_gbps=None,
     device="NVIDIA H200",
-    source="H200_DEFAULT (benchmarks/results/profile_h200.json, DESIGN.md §5)",
-    details=dict(
-        transfer_overhead_us="not probed on the H200; its device_put rows fit 761 us + bytes / "
-                             "54.84 GB/s",
-        cpu_overhead_us="not measured on the H200 (run experiments/probe.py there)",
-        hybrid_pcie_gbps="not measured on the H200 (run experiments/probe.py there)",
-        hybrid_cpu_gbps="not measured on the H200 (run experiments/probe.py there)",
-        h2d_device_put_gbps={"64MiB": 33.8, "1GiB": 52.8}))
+    source="H200_DEFAULT (benchmarks/results/profile_h200_v3.json, DESIGN.md §5)")
 
 
 # ----------------------------------------------------------------------------------------------

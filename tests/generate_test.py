@@ -213,11 +213,15 @@ def test_tactic_caches_generate_like_resident(gemma2, tactic, kw):
 
 def _tiny_plan(mode, **kw):
   # tiny-llama (L=2, K=2, D=16, float32) at 512 cells: 0.254 MiB of KV in all; 0.15 MiB leaves
-  # each global layer W=128, a staging tile and 3 host tiles of 128. CPU attention as fast as
-  # PCIe makes the modeled hybrid split a real one (H200_DEFAULT's 1.8 GB/s streams it all).
+  # each global layer W=128, a staging tile and 3 host tiles of 128. CPU attention about as fast
+  # as PCIe and no fixed costs (the H200's measured ~1-2 ms would send a 0.1 MiB tail all one
+  # way) make the modeled hybrid split a real one.
   cfg = models.ModelConfig.preset("tiny-llama", dtype="float32")
+  profile = dataclasses.replace(  # Profile.replace skips None: a plain dataclass replace
+      rkv.residency.H200_DEFAULT, transfer_overhead_us=None, cpu_overhead_us=None,
+      hybrid_pcie_gbps=None, hybrid_cpu_gbps=None)
   res = rkv.ResidencyConfig(mode=mode, vram_target_mib=0.15, tile_cells=128, min_tile_cells=128,
-                            profile=rkv.residency.H200_DEFAULT, cpu_attn_gbps=48.5, **kw)
+                            profile=profile, cpu_attn_gbps=48.5, **kw)
   return cfg, rkv.plan(cfg, 512, 1, residency=res)
 
 

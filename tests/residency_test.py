@@ -429,24 +429,17 @@ def test_default_profile(tmp_path, monkeypatch):
 
 
 def test_h200_default_is_the_measured_profile():
-  # The built-in figures are the probe's H200 measurements, rounded; figures that probe did not
-  # measure stay None (its device_put rows' fixed cost is only recorded in details).
-  from rkv import probe
+  # The built-in figures are the probe's H200 measurements (profile v3), rounded.
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
-                      "profile_h200.json")
+                      "profile_h200_v3.json")
   if not os.path.isfile(path):
     pytest.skip(f"{path} not present")
-  measured = json.load(open(path))
+  measured = rz.Profile.load(path)
   d = rz.H200_DEFAULT
-  for name in ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
-               "host_read_gbps", "copy_latency_us"):
-    assert getattr(d, name) == pytest.approx(measured[name], rel=2e-3), name
-  for name in NEW_FIGURES:
-    assert getattr(d, name) is None and name in d.details, name
-  rows = measured["details"]["h2d"]
-  overhead, rate, how = probe.fit_cost([r["bytes"] for r in rows], [r["median_s"] for r in rows])
-  assert how == "fit" and f"{overhead * 1e6:.0f} us" in d.details["transfer_overhead_us"]
-  assert f"{rate / 1e9:.2f} GB/s" in d.details["transfer_overhead_us"]
+  for name in rz.FIGURES:
+    want = getattr(measured, name)
+    assert want is not None, name
+    assert getattr(d, name) == pytest.approx(want, rel=2e-3), name
 
 
 def test_bad_profiles(tmp_path):
