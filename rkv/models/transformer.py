@@ -313,12 +313,13 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
 # ----------------------------------------------------------------------------------------------
 # Layered forward: eager across layers, jitted within them
 # ----------------------------------------------------------------------------------------------
-# The programs are built once per (graphdef, state treedef) and cached, so every
+# The programs are built once per (graphdef, state treedef) and cached (the 64 latest
+# structures: a notebook that builds many models does not keep every model's programs), so every
 # layered_forward (every generate call) shares their compile cache, and layers of the same
 # structure (all the global layers of a model) share one program per function. The graphdef and
 # treedef are closed over, not static arguments: hashing a graphdef on every call cost ~0.2 ms.
 # Parameters travel as a flat list of arrays (C++ pytree flattening, not nnx Variables').
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _edge_programs(cfg: ModelConfig, graphdef, treedef):
   """(enter, leave): embedding + the RoPE tables of every distinct RoPE; final norm + logits."""
   ropes = tuple(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
@@ -338,7 +339,7 @@ def _edge_programs(cfg: ModelConfig, graphdef, treedef):
   return enter, leave
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _block_programs(graphdef, treedef):
   """(pre_attention, post_attention, whole block with its cache donated) of one block."""
   block = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
