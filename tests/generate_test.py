@@ -176,6 +176,8 @@ def test_layered_forward_equals_the_model_and_traces_once():
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
   with pytest.raises(ValueError, match="caches are required"):
     fwd(tokens[:, :2])
+  with pytest.raises(ValueError, match="schedule"):
+    models.layered_forward(model, schedule="scan")
 
 
 # ----------------------------------------------------------------------------------------------

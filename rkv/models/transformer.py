@@ -370,8 +370,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   ``post_attention`` (output projection, residual, MLP). A resident or ring layer runs as one
   jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
   norm + logits are one program each. So a decode step dispatches a handful of programs per
-  layer instead of a few dozen eager ops, and never reads a device value back: the Python
-  thread runs ahead of the device. Every program is specialized on shapes only (a decode step
+  layer instead of a few dozen eager ops, and reads no device value back (but for the query of
+  a ``cpu`` / ``hybrid`` layer, which the host kernel needs): the Python thread runs ahead of the
+  device. Every program is specialized on shapes only (a decode step
   compiles once).
 
   ``schedule``: the rolling caches' streaming schedule (``rkv.rolling_attention``'s; None = its
@@ -381,6 +382,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
+  if schedule is not None:
+    validation.check_choice("layered_forward", "schedule", schedule, kv_lib.rolling.SCHEDULES)
   cfg = model.config
   edge_def, edge_tree, edge_leaves = _split_flat((model.embed, model.final_norm, model.lm_head))
   enter, leave = _edge_programs(cfg, edge_def, edge_tree)
