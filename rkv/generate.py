@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import residency
+from rkv import rolling
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV, _check_heads
 from rkv.models.kv import ROLLING_TACTICS, ResidentCache, RingCache, TacticKV
@@ -180,12 +181,8 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   r, streamed = None, None
   if tactic == "head":
     r = _check_heads(resident_heads, s.num_kv_heads, where)
-  if tactic == "hybrid":
-    if (isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float))
-        or not 0.0 <= float(cpu_fraction) <= 1.0):
-      raise ValueError(f"{where}: cpu_fraction must be a number in [0, 1] (the share of the "
-                       f"tail's tiles attended on the CPU), got {cpu_fraction!r}")
-    streamed = 1.0 - float(cpu_fraction)
+  if tactic == "hybrid":  # the same check as rolling_attention's
+    streamed = 1.0 - rolling._check_fraction(cpu_fraction, tactic, where)
   lay = residency._layout(residency._sizes(s, plan.batch), cap, window_cells, tile_cells, r or 0)
   layers = []
   for lp in plan.layers:
