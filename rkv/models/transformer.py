@@ -176,6 +176,15 @@ class Block(nnx.Module):
     return self.post_attention(x, o), cache
 
 
+def _ropes(cfg: ModelConfig) -> tuple:
+  """The layers' distinct RoPE configs, in first-use order."""
+  return tuple(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
+
+
+def _all_rope_tables(cfg: ModelConfig, positions) -> tuple:
+  return tuple(rope_tables(r, cfg.head_dim, positions) for r in _ropes(cfg))
+
+
 def _embed_tokens(cfg: ModelConfig, embed, tokens):
   x = embed(tokens)
   if cfg.embed_scale:
@@ -256,15 +265,13 @@ class Transformer(nnx.Module):
 
   def rope_tables(self, positions) -> tuple:
     """One ``(cos, sin)`` per distinct RoPE of the layers, in :meth:`rope_index` order."""
-    return tuple(rope_tables(r, self.config.head_dim, positions) for r in self._ropes())
+    return _all_rope_tables(self.config, positions)
 
   def rope_index(self) -> tuple[int, ...]:
     """Layer ``i`` uses ``rope_tables(...)[rope_index()[i]]``."""
-    ropes = self._ropes()
+    ropes = _ropes(self.config)
     return tuple(ropes.index(self.config.layer_rope(i)) for i in range(self.config.num_layers))
 
-  def _ropes(self) -> tuple:
-    return tuple(dict.fromkeys(self.config.layer_rope(i) for i in range(self.config.num_layers)))
 
   def logits(self, x, last_only: bool = False):
     """The final norm and the output projection: ``x [B,T,hidden]`` -> float32 logits ``[B,T,V]``
@@ -322,14 +329,12 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
 @functools.lru_cache(maxsize=64)
 def _edge_programs(cfg: ModelConfig, graphdef, treedef):
   """(enter, leave): embedding + the RoPE tables of every distinct RoPE; final norm + logits."""
-  ropes = tuple(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
   modules = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
   @jax.jit
   def enter(leaves, tokens, positions):
     embed, _, _ = modules(leaves)
-    return (_embed_tokens(cfg, embed, tokens),
-            tuple(rope_tables(r, cfg.head_dim, positions) for r in ropes))
+    return _embed_tokens(cfg, embed, tokens), _all_rope_tables(cfg, positions)
 
   @functools.partial(jax.jit, static_argnums=2)
   def leave(leaves, x, last_only):
