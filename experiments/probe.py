@@ -22,11 +22,13 @@ from absl import flags
 
 from rkv import probe
 
-_TRANSFER = flags.DEFINE_list("transfer_mib", ["64", "256", "1024"],
+_D = probe.ProbeConfig()  # every flag's default is the library's
+
+_TRANSFER = flags.DEFINE_list("transfer_mib", [f"{x:g}" for x in _D.transfer_mib],
                               "device_put sizes (MiB): a line through the host->device times "
                               "gives pcie_gbps and transfer_overhead_us; the largest, d2h_gbps.")
-_LATENCY = flags.DEFINE_float("latency_kib", 4, "Size of the small copy timed for its latency.")
-_KV_LENS = flags.DEFINE_list("attn_kv_lens", ["131072", "524288"],
+_LATENCY = flags.DEFINE_float("latency_kib", _D.latency_kib, "Size of the small copy timed for its latency.")
+_KV_LENS = flags.DEFINE_list("attn_kv_lens", [str(x) for x in _D.attn_kv_lens],
                              "KV lengths of the decode-attention timings (a line is fit).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch B of the attention shapes.")
 _HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
@@ -36,19 +38,19 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"],
                           "rkv.attention backend timed.")
 _CPU = flags.DEFINE_bool("cpu", True, "Measure host-CPU attention (if its module exists).")
-_CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", 131072, "KV length of the CPU attention timing.")
-_CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", 32768,
+_CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", _D.cpu_kv_len, "KV length of the CPU attention timing.")
+_CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", _D.cpu_tile_cells,
                                  "Tail tile of the CPU timings and of the probe's RollingKV.")
-_TAIL_TILES = flags.DEFINE_list("tail_tiles", [str(n) for n in probe.ProbeConfig.tail_tiles],
+_TAIL_TILES = flags.DEFINE_list("tail_tiles", [str(n) for n in _D.tail_tiles],
                                 "Tail sizes (tiles) of the cpu path's fit: cpu_attn_gbps and "
                                 "cpu_overhead_us.")
-_CONTENTION = flags.DEFINE_integer("contention_tiles", probe.ProbeConfig.contention_tiles,
+_CONTENTION = flags.DEFINE_integer("contention_tiles", _D.contention_tiles,
                                    "Tiles of the hybrid contention step (0: not measured).")
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads (default: the tactics' default, all "
                                     "cores but one; rkv.offload.cpu_attention.tail_threads).")
-_HOST_READ = flags.DEFINE_float("host_read_mib", 1024, "Buffer read to time host memory bandwidth.")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
+_HOST_READ = flags.DEFINE_float("host_read_mib", _D.host_read_mib, "Buffer read to time host memory bandwidth.")
+_WARMUP = flags.DEFINE_integer("warmup", _D.warmup, "Untimed runs before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs; the median is reported.")
 _OUT = flags.DEFINE_string("out", None, "Profile path (default ~/.cache/rkv/profile.json).")
 _OVERRIDES = {name: flags.DEFINE_float(name, None, f"Use this {name} instead of measuring it.")

@@ -25,6 +25,8 @@ from absl import app, flags
 from rkv import probe
 from rkv.offload import tactics_bench
 
+_P = probe.ProbeConfig()  # the probe flags' defaults are the library's
+
 _CONTEXTS = flags.DEFINE_list("contexts", ["262144", "1048576"], "Context lengths (cells).")
 _FRACTIONS = flags.DEFINE_list("window_fractions", ["0.75", "0.25"],
                                "The layer's KV budget as a share of its resident bytes.")
@@ -44,15 +46,15 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed runs; the median is reported.")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON to model with instead of "
                                "probing in this run.")
-_P_TRANSFER = flags.DEFINE_list("probe_transfer_mib", ["64", "256", "1024"],
+_P_TRANSFER = flags.DEFINE_list("probe_transfer_mib", [f"{x:g}" for x in _P.transfer_mib],
                                 "Probe: device_put sizes (a line gives PCIe rate + fixed cost).")
-_P_KV_LENS = flags.DEFINE_list("probe_attn_kv_lens", ["131072", "524288"],
+_P_KV_LENS = flags.DEFINE_list("probe_attn_kv_lens", [str(x) for x in _P.attn_kv_lens],
                                "Probe: device attention KV lengths.")
-_P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", 131072, "Probe: CPU attention KV length.")
-_P_READ = flags.DEFINE_float("probe_host_read_mib", 1024, "Probe: host read buffer (MiB).")
-_P_TAIL = flags.DEFINE_list("probe_tail_tiles", [str(n) for n in probe.ProbeConfig.tail_tiles],
+_P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", _P.cpu_kv_len, "Probe: CPU attention KV length.")
+_P_READ = flags.DEFINE_float("probe_host_read_mib", _P.host_read_mib, "Probe: host read buffer (MiB).")
+_P_TAIL = flags.DEFINE_list("probe_tail_tiles", [str(n) for n in _P.tail_tiles],
                             "Probe: tail sizes (tiles) of the cpu tactic's rate + fixed cost fit.")
-_P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", probe.ProbeConfig.contention_tiles,
+_P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", _P.contention_tiles,
                                      "Probe: tiles of the hybrid contention step (0: none).")
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads of the cpu / hybrid rows and the probe "

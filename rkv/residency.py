@@ -130,8 +130,8 @@ class Profile:
   side's rate while the DMA stream and the CPU kernel run at the same time on disjoint tiles
   (they share host memory bandwidth and the cores; None: the side's solo rate).
   ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
-  DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``: fixed cost of one small host↔device copy
-  (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
+  DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``:
+  fixed cost of one small host↔device copy (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
   tail) hidden under the longer: 1 = perfect overlap (the §6 model, a max), 0 = a sum.
   ``details``: raw measurements and the reason for each ``None``.
   """
@@ -451,10 +451,10 @@ def hybrid_time_at(window_bytes: float, tile_bytes: float, n_tiles: int, n_cpu: 
 
 def head_time(resident_bytes: float, streamed_bytes: float, profile: Profile) -> float:
   """Head split: ``max(resident heads' bytes / HBM, transfer_overhead + streamed bytes / PCIe)``.
-  Its tiles carry only the rolled heads, so they are smaller than the stream tactic's; a put's
-  fixed cost still hides behind the ``lookahead`` transfers queued ahead of it as long as it is
-  shorter than them (about 4 x 0.8 ms for a 3-of-8-head 29K-cell tile on the H200), so one
-  fixed cost per call is what is modeled (:func:`transfer_time`)."""
+  Its tiles carry only the rolled heads; the planner sizes them by bytes like the stream
+  tactic's (:func:`best_layout`), so there are as few puts and one fixed cost per call is what
+  is modeled (:func:`transfer_time`): the head rows of tactics_bench_h200_run6.json ran 1.00-1.11x
+  this model (46 MB tiles, before the byte sizing, had run 1.35x)."""
   return stream_time(resident_bytes, streamed_bytes, profile)
 
 

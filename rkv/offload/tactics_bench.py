@@ -83,10 +83,10 @@ class TacticsConfig:
   repeats: int = 15
   resident: bool = True
   profile_path: str | None = None
-  probe_transfer_mib: tuple[float, ...] = (64, 256, 1024)
-  probe_attn_kv_lens: tuple[int, ...] = (131072, 524288)
-  probe_cpu_kv_len: int = 131072
-  probe_host_read_mib: float = 1024
+  probe_transfer_mib: tuple[float, ...] = probe_lib.ProbeConfig.transfer_mib
+  probe_attn_kv_lens: tuple[int, ...] = probe_lib.ProbeConfig.attn_kv_lens
+  probe_cpu_kv_len: int = probe_lib.ProbeConfig.cpu_kv_len
+  probe_host_read_mib: float = probe_lib.ProbeConfig.host_read_mib
   probe_tail_tiles: tuple[int, ...] = probe_lib.ProbeConfig.tail_tiles
   probe_contention_tiles: int = probe_lib.ProbeConfig.contention_tiles
   cpu_threads: int | None = None
