@@ -251,6 +251,7 @@ def _tactics(p) -> list[str]:
 def _offload_plan(cfg: BenchConfig, mc, context: int):
   import rkv
   from rkv import generate as gen
+  from rkv.models.kv import ROLLING_TACTICS
   cap = cfg.capacity(context)
   target_mib = (1 - cfg.offload_fraction) * kv_bytes(mc, cap, cfg.batch) / MIB
   info: dict[str, Any] = dict(vram_target_mib=target_mib, offload_mode=cfg.offload_mode)
@@ -277,7 +278,7 @@ def _offload_plan(cfg: BenchConfig, mc, context: int):
   info["device_kv_gib"] = p.device_bytes / GIB
   info["host_kv_gib"] = p.host_bytes / GIB
   info["modeled_step_s"] = p.step_time_s
-  stream = [lp for lp in p.layers if lp.tactic in ("stream", "cpu", "hybrid")]
+  stream = [lp for lp in p.layers if lp.tactic in ROLLING_TACTICS]
   if stream:
     info["window_cells"] = sorted({lp.window_cells for lp in stream})
     info["tile_cells"] = sorted({lp.tile_cells for lp in stream})
@@ -307,6 +308,7 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
   from rkv import rolling
   from rkv.generate import _Stepper
   from rkv.models import Transformer, jit_forward
+  from rkv.models.kv import ROLLING_TACTICS
   mc = model_config(cfg)
   names = [c for c in cfg.configs if c.startswith("rkv_")]
   if not names:
@@ -349,7 +351,7 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
           layer_keys = jax.random.split(key, mc.num_layers)
           caches = []
           for lp, k in zip(plan.layers, layer_keys):
-            if lp.tactic in ("stream", "cpu", "hybrid"):
+            if lp.tactic in ROLLING_TACTICS:
               kv = filled_rolling(mc, cfg.batch, cap, fill, window_cells=lp.window_cells,
                                   tile_cells=lp.tile_cells, key=k, rand=rand)
               caches.append(gen.serve_rolling(lp, kv))
