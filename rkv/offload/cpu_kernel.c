@@ -46,10 +46,14 @@
  * that the compiler auto-vectorizes; the paths agree to float32 rounding, not bit for bit (each
  * path is deterministic, and which one runs depends on the shapes only).
  *
- * Measured (dev box: 2-core AMD EPYC Zen 4 VM, bf16, T=1, H=32, K=8, D=128, B=1, 1 GiB of K+V,
- * /tmp-style micro-benchmark, median): 1 thread 6.3 -> 13.5 GB/s, 2 threads 12.4 -> 26 GB/s,
- * against a plain read (rkv_read_sum) of ~30 GB/s. Per (cell, KV head), in TSC cycles: 205 -> 98
- * out of cache, 138 -> 87 in cache (QK ~37, softmax ~10, p @ V ~36; the FMAs alone are ~45).
+ * Measured on the H200 host (16 cores, the tactics' 15 threads, the pinned tail read in place;
+ * experiments/tactics_bench.py): 78-86 GB/s, 0.81-0.89 of its measured read bandwidth
+ * (benchmarks/results/tactics_bench_h200_run6.json; this file before the register-blocked path:
+ * 40-51 GB/s, tactics_bench_h200.json). Dev-box design notes (2-core AMD EPYC Zen 4 VM, bf16,
+ * T=1, H=32, K=8, D=128, B=1, 1 GiB of K+V, cpu_attention() timed directly, median; not a
+ * committed benchmark): 1 thread 6.3 -> 13.5 GB/s, 2 threads 12.4 -> 26 GB/s, against a plain
+ * read (rkv_read_sum) of ~30 GB/s. Per (cell, KV head), in TSC cycles: 205 -> 98 out of cache,
+ * 138 -> 87 in cache (QK ~37, softmax ~10, p @ V ~36; the FMAs alone are ~45).
  */
 #include <math.h>
 #include <stdint.h>
