@@ -118,8 +118,6 @@ def greedy_match(tokens_a, tokens_b) -> dict:
 
 
 GATE_TACTICS = ("stream", "cpu", "hybrid", "head")
-# rkv.ResidencyConfig mode that plans each tactic ("window" streams the tail).
-_TACTIC_MODE = {"stream": "window", "cpu": "cpu", "hybrid": "hybrid", "head": "head"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +209,10 @@ def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
                          resident_heads=r, local=no_global)
   else:
     residency = residency or ResidencyConfig()
+    # The planner mode that gives the tactic ("window" streams the tail).
+    mode = next(m for m, t in MODE_TACTIC.items() if t == tactic)
     p = make_plan(config, context_len, batch,
-                  residency=dataclasses.replace(residency, mode=_TACTIC_MODE[tactic]))
+                  residency=dataclasses.replace(residency, mode=mode))
   if tactic not in p.tactics():
     raise ValueError(f"{where}: the plan gives no layer the {tactic!r} tactic (tactics "
                      f"{p.tactics()}): lower vram_target_mib or force window_cells")
