@@ -194,7 +194,7 @@ def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
   with the tactic's mode (e.g. ``ResidencyConfig(vram_target_mib=<tiny>)``), and must give at
   least one layer that tactic."""
   from rkv import generate as gen
-  from rkv.residency import ResidencyConfig, plan as make_plan
+  from rkv.residency import MODE_TACTIC, ResidencyConfig, plan as make_plan
 
   where = "tactic_plan"
   check_tactics([tactic], where)

@@ -369,6 +369,19 @@ def test_metrics_known_values():
   assert match == {"equal": False, "agreement": 5 / 6, "first_divergence": [None, 1]}
 
 
+def test_tactic_plan_from_the_planner():
+  """Without a forced layout the gate's plan comes from rkv.plan in the tactic's mode."""
+  cfg = models.ModelConfig.preset("tiny-llama", dtype="float32")
+  res = rkv.ResidencyConfig(vram_target_mib=0.15, tile_cells=128, min_tile_cells=128,
+                            cpu_attn_gbps=48.5)
+  for tactic in gates.GATE_TACTICS:
+    assert gates.tactic_plan(cfg, tactic, 512, 1, residency=res).tactics() == (tactic,) * 2
+  with pytest.raises(ValueError, match="no layer"):  # everything fits: no tail, no tactic
+    gates.tactic_plan(cfg, "cpu", 512, 1, residency=rkv.ResidencyConfig(vram_target_mib=64))
+  with pytest.raises(ValueError, match="tactics"):
+    gates.tactic_plan(cfg, "scan", 512, 1, residency=res)
+
+
 def test_equivalence_gate_per_tactic(tmp_path, capsys):
   """experiments/equiv_gate.py's library call: one resident run, a report per tactic, a table."""
   import json
