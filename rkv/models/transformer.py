@@ -32,6 +32,7 @@ from flax import nnx
 from rkv.attention import IMPLS, attention
 from rkv import validation
 from rkv.models import kv as kv_lib
+from rkv.offload import stream as stream_lib
 from rkv.models.config import ModelConfig, RopeConfig
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -304,14 +305,19 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   the update happens in place (the caches passed in must not be used again). The program is specialized on shapes only:
   a decode loop with fixed ``[B,1]`` tokens traces once (``fn.jitted._cache_size()``).
   """
-  graphdef, state = nnx.split(model)
+  # The parameters travel as a flat list of arrays: flattening the nnx State (Variables, Python
+  # flatten rules) on every call took 5.7-6.9 ms of host time per Llama-3-8B decode step on the
+  # H200, more than the device's 5.9 ms (benchmarks/results/decode_trace_h200.json); a list of
+  # arrays takes C++ pytree flattening.
+  graphdef, treedef, leaves = _split_flat(model)
 
   @functools.partial(jax.jit, donate_argnames=("caches",) if donate_caches else ())
-  def jitted(state, tokens, positions, caches):
-    return nnx.merge(graphdef, state)(tokens, positions, caches, impl=impl, last_only=last_only)
+  def jitted(leaves, tokens, positions, caches):
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(
+        tokens, positions, caches, impl=impl, last_only=last_only)
 
   def fn(tokens, positions=None, caches=None):
-    return jitted(state, tokens, positions, caches)
+    return jitted(leaves, tokens, positions, caches)
 
   fn.jitted = jitted
   return fn
@@ -363,7 +369,7 @@ def _split_flat(node):
 
 
 def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
-                    schedule: str | None = None):
+                    schedule: str | None = None, prefetch_tiles: int | None = None):
   """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
   as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
   with a *static* fill (a :class:`rkv.RollingKV`, plain or in a ``TacticKV`` /
@@ -384,6 +390,12 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   default). The parameters are a snapshot taken now, as in :func:`jit_forward`; the caches
   passed in are donated (resident/ring layers) or updated in place (rolling windows and staging
   tiles): use the returned ones.
+
+  ``prefetch_tiles``: streamed tail tiles kept in flight ahead of the layer that attends them, by
+  one :class:`rkv.offload.stream.Prefetcher` shared by every call of ``fn`` (so the next step's
+  first tiles are requested at the end of this one); default
+  ``rkv.offload.stream.DEFAULT_PREFETCH_TILES``, 0 = off (each layer requests its own tiles).
+  They are device memory on top of the plan's (the planner's reserve counts them).
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
@@ -400,6 +412,19 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   if schedule is not None:
     attn_kw = [dict(kw, schedule=schedule) for kw in attn_kw]
   index = model.rope_index()
+  if prefetch_tiles is None:
+    prefetch_tiles = stream_lib.DEFAULT_PREFETCH_TILES
+  if not isinstance(prefetch_tiles, int) or isinstance(prefetch_tiles, bool) or prefetch_tiles < 0:
+    raise ValueError(f"layered_forward: prefetch_tiles must be a non-negative int, got "
+                     f"{prefetch_tiles!r}")
+  prefetcher = stream_lib.Prefetcher(prefetch_tiles) if prefetch_tiles else None
+  planned = [None]  # the caches the prefetcher's current plan was made for
+
+  def plan_prefetch(caches):
+    if prefetcher is not None and planned[0] is not caches:
+      prefetcher.begin([(i, t) for i, c in enumerate(caches)
+                        if (t := kv_lib.streamed_tiles(c))])
+      planned[0] = caches
 
   def fn(tokens, positions=None, caches=None):
     if caches is None:
@@ -407,6 +432,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
                        "or jit_forward)")
     tokens, positions, caches = model.check_inputs(tokens, positions, caches,
                                                    where="layered_forward")
+    if not (planned[0] is not None and len(planned[0]) == len(caches)
+            and all(a is b for a, b in zip(planned[0], caches))):
+      plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
@@ -415,9 +443,20 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
         q, k, v = pre(leaves, x, rope_cs)
-        o, cache = kv_lib.attend(cache, q, k, v, positions, **attn_kw[i])
+        kw = attn_kw[i]
+        tiles = kv_lib.streamed_tiles(cache) if prefetcher is not None else ()
+        if tiles:
+          kw = dict(kw, staged=prefetcher.take(i, tiles))
+        with jax.profiler.TraceAnnotation("rkv.layer.attend"):
+          o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
+        if tiles:
+          prefetcher.consumed(o)
         x = post(leaves, x, o)
       new_caches.append(cache)
-    return leave(edge_leaves, x, last_only), tuple(new_caches)
+    new_caches = tuple(new_caches)
+    plan_prefetch(new_caches)  # the next step's first tiles start moving now
+    return leave(edge_leaves, x, last_only), new_caches
+
+  fn.prefetcher = prefetcher
 
   return fn

@@ -1,0 +1,166 @@
+"""Where a decode step's time goes: a ``jax.profiler`` trace of a few steps, summarized.
+
+Builds the preset's model with random weights (as ``experiments.decode_bench``), fills each
+configuration's caches synthetically, runs ``--warmup`` steps, times ``--steps`` untraced steps,
+then traces ``--trace_steps`` more and summarizes the trace from its ``.xplane.pb``
+(``jax.profiler.ProfileData``, no TensorBoard): per device stream the busy time and the top
+kernels by total time, the host-to-device copies, and the host spans the library annotates
+(``rkv.*``: the CPU tail kernel, the query's host copy, stream flow control). Writes one JSON.
+
+Configurations: ``resident:<context>`` (every layer resident) and ``offload:<context>:<share>``
+(the planner's auto mode with ``share`` of the KV on the host).
+
+Example (H200, ~4 min):
+  .venv/bin/python -m experiments.decode_trace --configs=resident:2048,resident:131072,\
+offload:131072:0.5 --out=/tmp/decode_trace.json
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+
+_PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
+_CONFIGS = flags.DEFINE_list("configs", ["resident:2048", "resident:131072",
+                                         "offload:131072:0.5"], "kind:context[:host share].")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps.")
+_STEPS = flags.DEFINE_integer("steps", 8, "Timed, untraced steps.")
+_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.")
+_PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
+_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.")
+_OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
+
+
+def summarize(xplane_path: str, top: int) -> dict:
+  """Per device plane: each line's (stream's) busy ns and top events by total ns; host spans
+  named ``rkv.*`` (count, total, median ns); the traced window's wall ns."""
+  import jax
+  pd = jax.profiler.ProfileData.from_file(xplane_path)
+  out = dict(devices={}, host_spans={})
+  lo, hi = None, None
+  for plane in pd.planes:
+    if plane.name.startswith("/device:GPU"):
+      lines = {}
+      for line in plane.lines:
+        tot = collections.Counter()
+        cnt = collections.Counter()
+        busy = 0
+        for e in line.events:
+          tot[e.name] += e.duration_ns
+          cnt[e.name] += 1
+          busy += e.duration_ns
+          lo = e.start_ns if lo is None else min(lo, e.start_ns)
+          hi = e.start_ns + e.duration_ns if hi is None else max(hi, e.start_ns + e.duration_ns)
+        if busy:
+          lines[line.name] = dict(busy_ns=busy, events=sum(cnt.values()),
+                                  top=[dict(name=n[:160], total_ns=t, count=cnt[n])
+                                       for n, t in tot.most_common(top)])
+      out["devices"][plane.name] = lines
+    elif plane.name.startswith("/host:CPU"):
+      spans = collections.defaultdict(list)
+      for line in plane.lines:
+        for e in line.events:
+          if e.name.startswith("rkv."):
+            spans[e.name].append(e.duration_ns)
+      out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
+                           for n, d in sorted(spans.items())}
+  out["device_window_ns"] = None if lo is None else hi - lo
+  return out
+
+
+def _caches(kind, mc, ctx, share, rand, key, profile):
+  import jax
+  from rkv import decode_bench as db
+  from rkv import generate as gen
+  from rkv.models.kv import ROLLING_TACTICS
+  cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
+                       profile_path=profile, warmup=_WARMUP.value,
+                       steps=_STEPS.value + _TRACE_STEPS.value,
+                       offload_warmup=_WARMUP.value,
+                       offload_steps=_STEPS.value + _TRACE_STEPS.value)
+  cap, fill = cfg.capacity(ctx), cfg.fill(ctx)
+  info = {}
+  keys = jax.random.split(key, mc.num_layers)
+  if kind == "resident":
+    return tuple(db.filled_resident(mc, 1, cap, fill, k, rand) for k in keys), fill, info
+  plan, info = db._offload_plan(cfg, mc, ctx)
+  caches = []
+  for lp, k in zip(plan.layers, keys):
+    if lp.tactic in ROLLING_TACTICS:
+      kv = db.filled_rolling(mc, 1, cap, fill, window_cells=lp.window_cells,
+                             tile_cells=lp.tile_cells, key=k, rand=rand)
+      caches.append(gen.serve_rolling(lp, kv))
+    else:
+      caches.append(db.filled_resident(mc, 1, cap, fill, k, rand))
+  return tuple(caches), fill, info
+
+
+def main(argv):
+  del argv
+  import gc
+  import jax
+  import numpy as np
+  from flax import nnx
+  from rkv import benchmarking
+  from rkv import decode_bench as db
+  from rkv.generate import _Stepper
+  from rkv.models import Transformer, jit_forward
+  mc = db.model_config(db.BenchConfig(preset=_PRESET.value))
+  model = Transformer(mc, rngs=nnx.Rngs(0))
+  jax.block_until_ready(nnx.state(model))
+  forward = jit_forward(model, last_only=True)
+  rand = db._rand_fn()
+  result = dict(benchmarking.environment(), preset=mc.name,
+                weight_gib=db.weight_bytes(mc) / db.GIB,
+                memory_stats=jax.devices()[0].memory_stats(), rows=[])
+  for spec in _CONFIGS.value:
+    parts = spec.split(":")
+    kind, ctx = parts[0], int(parts[1])
+    share = float(parts[2]) if len(parts) > 2 else None
+    row = dict(config=spec, kind=kind, context=ctx, share=share)
+    result["rows"].append(row)
+    caches = None
+    try:
+      caches, fill, info = _caches(kind, mc, ctx, share, rand, jax.random.key(ctx),
+                                   _PROFILE.value)
+      row.update(info)
+      jax.block_until_ready(caches)
+      step = _Stepper(model, caches, forward)
+      n = _WARMUP.value + _STEPS.value
+      times, dispatch, caches = db._decode_rkv(step, caches, fill, _WARMUP.value, _STEPS.value, 1)
+      row["step_ms"] = 1e3 * statistics.median(times[_WARMUP.value:])
+      row["host_ms"] = 1e3 * statistics.median(dispatch[_WARMUP.value:])
+      with tempfile.TemporaryDirectory() as d:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        with jax.profiler.trace(d, profiler_options=opts):
+          t0 = time.perf_counter()
+          t_tr, _, caches = db._decode_rkv(step, caches, fill + n, 0, _TRACE_STEPS.value, 1)
+          row["traced_wall_ms"] = 1e3 * (time.perf_counter() - t0)
+        row["traced_step_ms"] = [1e3 * t for t in t_tr]
+        pb = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+        row["trace"] = summarize(pb[-1], _TOP.value)
+      print(json.dumps({k: row[k] for k in row if k != "trace"}), flush=True)
+    except Exception as e:  # noqa: BLE001 - keep the other rows
+      import traceback
+      row["error"] = f"{type(e).__name__}: {e}"
+      row["traceback"] = traceback.format_exc(limit=8)
+      print(row["error"], flush=True)
+    finally:
+      del caches
+      gc.collect()
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(result, f, indent=1, default=str)
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
