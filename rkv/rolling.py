@@ -80,8 +80,31 @@ def _partial(q, q_pos, block, *, impl, **kw):
 _partial_jit = jax.jit(_partial, static_argnames=_STATIC)
 
 
-def _tiles(kv: cache_lib.RollingKV, n: int) -> tuple[stream.Tile, ...]:
-  return tuple(stream.Tile(t.k, t.v, t.pos, t.k_scale, t.v_scale) for t in kv.tail_tiles[:n])
+def _tiles(kv: cache_lib.RollingKV, n: int, staged=None) -> tuple[stream.Tile, ...]:
+  """The first ``n`` full tiles; the first ones replaced by ``staged`` (the same tiles already on
+  the device, from a :class:`rkv.offload.stream.Prefetcher`)."""
+  host = tuple(stream.Tile(t.k, t.v, t.pos, t.k_scale, t.v_scale) for t in kv.tail_tiles[:n])
+  if not staged:
+    return host
+  m = min(len(staged), n)
+  for j in range(m):
+    if staged[j].k.shape != host[j].k.shape or staged[j].k.dtype != host[j].k.dtype:
+      raise ValueError(f"rolling_attention: staged tile {j} has K {staged[j].k.dtype}"
+                       f"{tuple(staged[j].k.shape)}, the cache's tile {host[j].k.dtype}"
+                       f"{tuple(host[j].k.shape)}")
+  return tuple(staged[:m]) + host[m:]
+
+
+def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int:
+  """How many of ``n_tiles`` full tail tiles ``tactic`` streams: all for ``stream``, none for
+  ``cpu``, the first ``n - floor(cpu_fraction * n + 0.5)`` for ``hybrid`` (the others go to the
+  CPU kernel); the streamed ones are always a prefix, so a prefetcher can request them early."""
+  if tactic == "cpu":
+    return 0
+  if tactic == "hybrid":
+    frac = DEFAULT_CPU_FRACTION if cpu_fraction is None else cpu_fraction
+    return n_tiles - math.floor(frac * n_tiles + 0.5)  # half up
+  return n_tiles
 
 
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
@@ -204,7 +227,8 @@ def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):
 
 def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,
                       tactic="auto", impl="auto", schedule=DEFAULT_SCHEDULE,
-                      lookahead=DEFAULT_LOOKAHEAD, cpu_fraction=None, cpu_threads=None):
+                      lookahead=DEFAULT_LOOKAHEAD, cpu_fraction=None, cpu_threads=None,
+                      staged=None):
   """Exact attention of ``q [B,T,H,D]`` over every cell of ``kv``; returns ``(o, lse)``.
 
   Same semantics as :func:`rkv.attention` (DESIGN.md §3) over the cache's cells and positions;
@@ -227,15 +251,17 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   then holds at most ``lookahead + 1`` tiles on the device and waits on the host for tile
   ``i - 1`` before issuing tile ``i + lookahead``); ``None`` issues every transfer up front and
   never waits, at the cost of the whole streamed tail in device memory during the call. See
-  :mod:`rkv.offload.stream`.
+  :mod:`rkv.offload.stream`. ``staged``: the first streamed tiles already on the device, in order
+  (a :class:`rkv.offload.stream.Prefetcher`'s, requested while earlier layers ran); the rest are
+  requested here as usual. They must be copies of this cache's tiles: only shapes are checked.
   """
   where = "rolling_attention"
   common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
                 schedule=schedule, lookahead=lookahead)
   if isinstance(kv, HeadSplitKV):
-    if cpu_fraction is not None or cpu_threads is not None:
-      raise ValueError(f"{where}: cpu_fraction/cpu_threads are not valid with a HeadSplitKV "
-                       f"(tactic='head' streams the rolled heads)")
+    if cpu_fraction is not None or cpu_threads is not None or staged:
+      raise ValueError(f"{where}: cpu_fraction/cpu_threads/staged are not valid with a "
+                       f"HeadSplitKV (tactic='head' streams the rolled heads)")
     return _head_attention(q, kv, q_pos=q_pos, tactic=tactic, where=where, **common)
   q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
                            scale=scale, tactic=tactic, impl=impl, schedule=schedule,
@@ -257,31 +283,37 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
     fn = _partial if _tracing(q, q_pos, kv) else _partial_jit
     return fn(q, q_pos, kv.window, impl=impl, causal=causal, window=window, softcap=softcap,
               scale=static["scale"])
-  n_cpu = 0 if cpu_fraction is None else math.floor(cpu_fraction * n_tiles + 0.5)  # half up
-  if n_cpu:
-    return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_tiles - n_cpu, schedule=schedule,
-                          cpu_threads=cpu_threads)
-  tiles = _tiles(kv, n_tiles)
+  n_stream = streamed_count(n_tiles, "stream" if cpu_fraction is None else "hybrid",
+                            cpu_fraction)
+  if n_stream < n_tiles:
+    return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
+                          cpu_threads=cpu_threads, staged=staged)
+  tiles = _tiles(kv, n_tiles, staged)
   if schedule == "eager" and not _tracing(q, q_pos, kv):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
                    partial_fn=_partial_jit, **static)
   return _unrolled(q, q_pos, kv.window, kv.staging, tiles, **static)
 
 
-def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads):
+def _annotated_cpu_tail(*args, **kwargs):
+  with jax.profiler.TraceAnnotation("rkv.cpu.tail"):  # the worker's whole share, in traces
+    return cpu_lib.cpu_attention_tail(*args, **kwargs)
+
+
+def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None):
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU (worker thread, started first), the
   window, staging and tiles ``[0, n_stream)`` on the device meanwhile; one exact merge."""
   n_tiles = kv.n_full_tiles
   # The kernel starts at once: it copies q (and q_pos) down itself (np.asarray: a small device →
   # host copy), and reads the tail tiles in place; the GIL is released while it runs.
   future = _executor().submit(
-      cpu_lib.cpu_attention_tail, q, kv, q_pos=q_pos, causal=static["causal"],
+      _annotated_cpu_tail, q, kv, q_pos=q_pos, causal=static["causal"],
       window=static["window"], softcap=static["softcap"], scale=static["scale"],
       num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
   device = None
   try:
     if n_stream or static["use_window"] or static["use_staging"]:
-      tiles = _tiles(kv, n_stream)
+      tiles = _tiles(kv, n_stream, staged)
       if schedule == "eager":
         device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
                          partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
@@ -289,7 +321,8 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads):
         device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
                            **static)
   finally:
-    o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
+    with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
+      o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
   parts = [cpu_part] if device is None else [device, cpu_part]

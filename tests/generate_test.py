@@ -180,6 +180,41 @@ def test_layered_forward_equals_the_model_and_traces_once():
     models.layered_forward(model, schedule="scan")
 
 
+@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
+def test_layered_forward_prefetch_equals_no_prefetch(tactic):
+  """The cross-layer Prefetcher (tiles of the next layers and of the next step requested ahead)
+  changes when tiles move, not what is attended: logits and caches equal layered_forward without
+  it, bit for bit, through a prefill, decode steps and a flush, with 2 tiles in flight at most
+  (the flow control waits) and with 16; ahead-requested tiles are actually used."""
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
+  tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
+  cfg = model.config
+  base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
+  plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
+  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
+  runs = {}
+  for depth in (0, 2, 16):
+    fwd = models.layered_forward(model, last_only=True, prefetch_tiles=depth)
+    caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+    out = [fwd(tokens[:, :13], pos(0, 13), caches)]
+    for i in range(13, 19):  # one-token steps; the staging tile flushes at fill 16
+      out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
+    runs[depth] = ([np.asarray(l) for l, _ in out], out[-1][1], fwd.prefetcher)
+  assert runs[0][2] is None
+  for depth in (2, 16):
+    logits, caches, pf = runs[depth]
+    for a, b in zip(runs[0][0], logits):
+      np.testing.assert_array_equal(a, b)
+    for x, y in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(caches)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert pf.requested > 0 and pf._in_flight() <= depth
+  # With room for every tile, every decode step's tiles were requested ahead, by the step
+  # before: only the prefill (nothing requested yet) and the tiles a flush adds come late.
+  assert runs[16][2].late < runs[16][2].requested
+  with pytest.raises(ValueError, match="prefetch_tiles"):
+    models.layered_forward(model, prefetch_tiles=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Every tactic through generation
 # ----------------------------------------------------------------------------------------------

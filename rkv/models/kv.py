@@ -246,6 +246,30 @@ def _(cache: HeadSplitKV, q, k, v, positions, **kw):
 
 
 @functools.singledispatch
+def streamed_tiles(cache) -> tuple:
+  """The host tiles a step's attention over ``cache`` streams to the device, in order (``stream``
+  tiles of a :class:`rkv.offload.stream.Tile`), for a prefetcher to request ahead of the layer;
+  ``()`` for caches that stream nothing ahead of time (resident, ring, a ``cpu`` tactic; a
+  ``HeadSplitKV``'s rolled heads stream inside their own call)."""
+  return ()
+
+
+def _streamed(kv: RollingKV, tactic: str, cpu_fraction) -> tuple:
+  n = rolling.streamed_count(kv.n_full_tiles, tactic, cpu_fraction)
+  return rolling._tiles(kv, n) if n else ()
+
+
+@streamed_tiles.register
+def _(cache: RollingKV):
+  return _streamed(cache, "stream", None)
+
+
+@streamed_tiles.register
+def _(cache: TacticKV):
+  return _streamed(cache.kv, cache.tactic, cache.cpu_fraction)
+
+
+@functools.singledispatch
 def next_position(cache) -> jax.Array:
   """The position after the last cell written (int32 scalar): the default start of the next
   chunk when the caller passes no positions (rows without padding)."""

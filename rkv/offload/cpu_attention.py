@@ -325,7 +325,9 @@ def _scales_to_host(x):
 def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
                num_threads, chunk, tiles, where):
   # --- q ---
-  q = np.asarray(q)  # a device q comes down to the host here: [B,T,H,D], small
+  with jax.profiler.TraceAnnotation("rkv.cpu.q_to_host"):
+    q = np.asarray(q)  # a device q comes down to the host here: [B,T,H,D], small
+    q_pos = None if q_pos is None else np.asarray(q_pos)
   if q.ndim != 4:
     raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {q.shape}")
   if q.dtype not in _QUERY_DTYPES:
@@ -435,8 +437,9 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   args.softcap = 0.0 if softcap is None else float(softcap)
   args.scale = float(scale)
   keep = (kt, vt, pos, scales, tables, qf, qp)  # alive until the call returns
-  rc = _lib().rkv_cpu_attention(ctypes.byref(args), int(num_threads or 0), int(chunk or 0),
-                                o.ctypes.data, lse.ctypes.data)
+  with jax.profiler.TraceAnnotation("rkv.cpu.kernel"):
+    rc = _lib().rkv_cpu_attention(ctypes.byref(args), int(num_threads or 0), int(chunk or 0),
+                                  o.ctypes.data, lse.ctypes.data)
   del keep
   if rc == -1:
     raise MemoryError(f"{where}: the CPU kernel could not allocate its work buffers")

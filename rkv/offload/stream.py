@@ -93,10 +93,17 @@ def check_lookahead(lookahead, where: str):
                      f"got {lookahead!r}")
 
 
+def on_device(tile: Tile) -> bool:
+  """Whether ``tile``'s K/V already live in device memory (a tile the :class:`Prefetcher` staged)."""
+  return memory.memory_kind(tile.k) == memory.DEVICE
+
+
 def put_eager(tile: Tile, device: jax.Device | None = None) -> Tile:
   """Issues the host→device transfer of a tile's K/V (and scales): eager ``jax.device_put``, PJRT's
   async transfer path. Returns at once with device arrays still being written. Positions already
   live on the device (4 bytes a cell, 0.1% of a bf16 K/V cell): no transfer."""
+  if on_device(tile):  # staged by a Prefetcher
+    return tile
   k, v, ks, vs = jax.device_put((tile.k, tile.v, tile.k_scale, tile.v_scale),
                                 memory.sharding(memory.DEVICE, device))
   return Tile(k, v, tile.pos, ks, vs)
@@ -126,7 +133,8 @@ _merge_jit = jax.jit(merge_all, static_argnames="out_dtype")
 
 def _wait(partial: Partial) -> None:
   """Host flow control of the eager schedule (a separate function so tests can watch it)."""
-  jax.block_until_ready(partial)
+  with jax.profiler.TraceAnnotation("rkv.stream.wait"):
+    jax.block_until_ready(partial)
 
 
 def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *,
@@ -154,8 +162,10 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
   streamed = []
   for i in range(n):
     if i + depth < n:
-      if eager and lookahead is not None and i:
-        _wait(streamed[i - 1])  # tile i-1 consumed: at most lookahead + 1 tiles on the device
+      # Tile i-1 consumed: at most lookahead + 1 tiles on the device. A tile a Prefetcher already
+      # staged costs no new device memory, so issuing it needs no wait.
+      if eager and lookahead is not None and i and not on_device(tiles[i + depth]):
+        _wait(streamed[i - 1])
       queue.append(put(tiles[i + depth]))
     streamed.append(attend(queue.popleft()))
   partials += streamed
@@ -163,3 +173,101 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
     b, t, h, _ = out_shape
     return jnp.zeros(out_shape, out_dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
   return (_merge_jit if eager else merge_all)(partials, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Across layers: the Prefetcher
+# ----------------------------------------------------------------------------------------------
+# Streamed tiles of the next layers kept in flight by a Prefetcher. 8 tiles of 32K cells (128 MiB
+# at K=8, D=128, bf16) are ~20 ms of PCIe at 54 GB/s: more than a layer's longest wait on the H200
+# (its CPU share and the query's host copy, ~2.5 ms at 128K half-offloaded), for 1 GiB of HBM.
+DEFAULT_PREFETCH_TILES = 8
+
+
+class Prefetcher:
+  """Issues the host→device transfers of the tiles a model step streams, in the order the layers
+  attend them, up to ``max_tiles`` on the device at a time, across layers and into the next step.
+
+  Within one ``rolling_attention`` call the eager schedule already keeps the copy engine busy; but
+  between calls it idles: a layer's tiles are requested only when the host reaches that layer,
+  and a ``cpu`` / ``hybrid`` layer holds the host until its query has come down and its CPU share
+  is done (on the H200, 128K half-offloaded, 4.3 ms a layer with the link busy well under half of
+  it: ``benchmarks/results/decode_trace_h200.json``). Tail tiles are immutable once full (a flush
+  writes a new tile, never an old one), so the next layers' tiles, and the next step's first
+  ones, can be requested long before they are attended.
+
+  Use: :meth:`begin` with the step's caches and their streamed tiles (``[(layer, tiles)]``, in
+  attention order); before layer ``i`` attends, :meth:`take` ``(i, tiles)`` returns its tiles on
+  the device (those not staged yet are requested now) and requests the following ones while room
+  is left; after it, :meth:`consumed` ``(result)`` names an array that is ready only once the
+  layer's tiles have been read, which is what frees their room. At the end of a step,
+  :meth:`begin` with the returned caches starts the next step's transfers.
+  """
+
+  def __init__(self, max_tiles: int = DEFAULT_PREFETCH_TILES, device: jax.Device | None = None):
+    if not isinstance(max_tiles, int) or isinstance(max_tiles, bool) or max_tiles < 1:
+      raise ValueError(f"Prefetcher: max_tiles must be a positive int, got {max_tiles!r}")
+    self.max_tiles = max_tiles
+    self.device = device
+    self._order: list[tuple[int, int, Tile]] = []  # (layer, tile index, host tile), to request
+    self._next = 0  # index into _order of the next tile to request
+    self._staged: dict[tuple[int, int], tuple[object, Tile]] = {}  # (layer, j) -> (host k, device)
+    self._taken = collections.deque()  # [tiles taken, consumer or None]: possibly still read
+    self.requested = 0  # tiles requested ahead of their layer (counters for benchmarks)
+    self.late = 0  # tiles a layer had to request itself
+
+  def _in_flight(self) -> int:
+    return len(self._staged) + sum(n for n, _ in self._taken)
+
+  def _make_room(self) -> bool:
+    """Waits for the oldest taken tiles to be read; False when nothing can be freed."""
+    while self._taken and self._taken[0][1] is not None:
+      n, consumer = self._taken.popleft()
+      _wait(consumer)
+      if n:
+        return True
+    return False
+
+  def _fill(self) -> None:
+    while self._next < len(self._order):
+      if self._in_flight() >= self.max_tiles and not self._make_room():
+        return
+      layer, j, tile = self._order[self._next]
+      self._next += 1
+      key = (layer, j)
+      if key not in self._staged:
+        self._staged[key] = (tile.k, put_eager(tile, self.device))
+        self.requested += 1
+
+  def begin(self, layers: Sequence[tuple[int, Sequence[Tile]]]) -> None:
+    """Plans the next step: ``layers`` = ``[(layer index, its streamed host tiles)]`` in the order
+    they will be attended. Staged tiles that are no longer wanted (another cache) are dropped."""
+    order = [(i, j, t) for i, tiles in layers for j, t in enumerate(tiles)]
+    want = {(i, j): t.k for i, j, t in order}
+    for key in [k for k, (host, _) in self._staged.items() if want.get(k) is not host]:
+      del self._staged[key]
+    self._order, self._next = order, 0
+    self._fill()
+
+  def take(self, layer: int, tiles: Sequence[Tile]) -> tuple[Tile, ...]:
+    """Layer ``layer``'s ``tiles`` on the device, in order (staged ones, the rest requested now);
+    then requests the following layers' tiles while room is left."""
+    out = []
+    for j, t in enumerate(tiles):
+      hit = self._staged.pop((layer, j), None)
+      if hit is not None and hit[0] is t.k:
+        out.append(hit[1])
+      else:
+        out.append(put_eager(t, self.device))
+        self.late += 1
+    # Skip what this layer took (and anything planned before it) in the request order.
+    while self._next < len(self._order) and self._order[self._next][0] <= layer:
+      self._next += 1
+    self._taken.append([len(out), None])
+    return tuple(out)
+
+  def consumed(self, result) -> None:
+    """``result``: ready only after the last :meth:`take`'s tiles were read (the layer's output)."""
+    if self._taken and self._taken[-1][1] is None:
+      self._taken[-1][1] = result
+    self._fill()
