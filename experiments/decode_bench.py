@@ -9,11 +9,36 @@ Example (H200, ~8 min; rkv's half tail at 512K is 32 GiB, within the default 64 
   .venv/bin/python -m experiments.decode_bench \
       --contexts=131072,524288 --out=benchmarks/results/decode_bench_h200.json \
       --plot=benchmarks/results/decode_bench_h200.png
-CPU smoke run:
+
+Beyond HBM (H200, rkv rows only; --budget=auto: the planner takes all free device memory after
+the weights, minus its reserve, for the window, and the rest of the KV goes to pinned host; each
+row carries its bandwidth bound, bound_tokens_per_s). One run per configuration group, --append
+adding each to the same JSON:
+  # 1M tokens, bf16: 128 GiB of KV
+  .venv/bin/python -m experiments.decode_bench --configs=rkv_offload --budget=auto \
+      --contexts=1048576 --out=benchmarks/results/decode_beyond_hbm_h200.json --plot=
+  # 2M tokens, int8 KV: 132 GiB with the scales
+  .venv/bin/python -m experiments.decode_bench --configs=rkv_offload --budget=auto \
+      --contexts=2097152 --kv_dtype=int8 --out=benchmarks/results/decode_beyond_hbm_h200.json \
+      --append --plot=
+  # batch 8 x 128K: 128 GiB of KV
+  .venv/bin/python -m experiments.decode_bench --configs=rkv_offload --budget=auto \
+      --contexts=131072 --batch=8 --out=benchmarks/results/decode_beyond_hbm_h200.json \
+      --append --plot=benchmarks/results/decode_beyond_hbm_h200.png
+The host tail is the KV the device does not hold after the weights and the planner's reserve,
+so it depends on XLA's device pool (XLA_PYTHON_CLIENT_MEM_FRACTION; with 0.75 of an H200 the
+planner's dry run gives 40-45 GiB of tail in each of these rows, with 0.95 13-17 GiB); each row
+records budget_gib, free_device_gib and host_kv_gib. A tail above 64 GiB needs
+XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, e.g. 160) set in the environment before JAX starts;
+without it the row fails at once with that advice (rkv.offload.memory.check_host_pool).
+
+CPU smoke runs:
   .venv/bin/python -m experiments.decode_bench --preset=tiny-llama --dtype=float32 \
       --contexts=512,1024 --steps=2 --warmup=1 --offload_steps=2 --offload_warmup=1 \
       --tile_cells=128 --min_tile_cells=128 --margin_gib=0 --out=/tmp/decode_bench.json \
       --plot=/tmp/decode_bench.png
+  (the same with --kv_dtype=int8 --batch=2 --configs=rkv_resident,rkv_offload: int8 caches,
+  two batch rows; --budget=auto needs a backend with memory stats, not CPU's)
 """
 
 from absl import app, flags
@@ -24,12 +49,21 @@ _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weigh
 _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288"], "Synthetic cache fills (tokens).")
 _CONFIGS = flags.DEFINE_list("configs", list(decode_bench.CONFIGS), "Rows to run.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch rows.")
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights and KV dtype.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights dtype (and the KV's by default).")
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, list(decode_bench.KV_DTYPES),
+                              "KV cache dtype (default: --dtype); int8: rkv rows only.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed decode steps (resident/static rows).")
 _STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps (resident/static rows).")
 _OFF_WARMUP = flags.DEFINE_integer("offload_warmup", 2, "Untimed steps (offloaded rows).")
 _OFF_STEPS = flags.DEFINE_integer("offload_steps", 6, "Timed steps (offloaded rows).")
-_FRACTION = flags.DEFINE_float("offload_fraction", 0.5, "Share of the KV rkv puts on the host.")
+_FRACTION = flags.DEFINE_float("offload_fraction", 0.5, "Share of the KV rkv puts on the host "
+                               "(--budget=fraction).")
+_BUDGET = flags.DEFINE_enum("budget", "fraction", list(decode_bench.BUDGETS),
+                            "rkv_offload's device budget: fraction: (1 - offload_fraction) of the "
+                            "KV; auto: all free device memory after the weights minus the "
+                            "planner's reserve (vram_target_mib=0).")
+_RESERVE = flags.DEFINE_float("reserve_mib", None, "The planner's reserve under --budget=auto "
+                              "(default: 2048 MiB plus two tiles).")
 _MODE = flags.DEFINE_enum("offload_mode", "auto", list(decode_bench.OFFLOAD_MODES),
                           "Planner mode of rkv_offload (force: force_stream).")
 _TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).")
@@ -42,7 +76,9 @@ _HF_DEVICE = flags.DEFINE_string("hf_device", "auto", "torch device (auto: cuda 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"], "rkv attention.")
 _SCHEDULE = flags.DEFINE_enum("schedule", None, list(decode_bench.SCHEDULES),
                               "Rolling caches' streaming schedule (default: rkv.rolling's).")
+_FILL_LOG = flags.DEFINE_integer("fill_log_every", 4, "Layers between fill progress lines.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
+_APPEND = flags.DEFINE_bool("append", False, "Add this run's rows to those already in --out.")
 _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
                             "PNG output ('' = none).")
 
@@ -52,12 +88,14 @@ def main(argv):
   cfg = decode_bench.BenchConfig(
       preset=_PRESET.value, contexts=tuple(int(x) for x in _CONTEXTS.value),
       configs=tuple(_CONFIGS.value), batch=_BATCH.value, dtype=_DTYPE.value,
-      warmup=_WARMUP.value, steps=_STEPS.value, offload_warmup=_OFF_WARMUP.value,
+      kv_dtype=_KV_DTYPE.value, budget=_BUDGET.value, reserve_mib=_RESERVE.value,
+      fill_log_every=_FILL_LOG.value, warmup=_WARMUP.value, steps=_STEPS.value,
+      offload_warmup=_OFF_WARMUP.value,
       offload_steps=_OFF_STEPS.value, offload_fraction=_FRACTION.value,
       offload_mode=_MODE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       margin_gib=_MARGIN.value, device_memory_gib=_DEVMEM.value, hf_device=_HF_DEVICE.value,
       impl=_IMPL.value, schedule=_SCHEDULE.value, profile_path=_PROFILE.value)
-  decode_bench.main(cfg, _OUT.value, _PLOT.value or None)
+  decode_bench.main(cfg, _OUT.value, _PLOT.value or None, append=_APPEND.value)
 
 
 if __name__ == "__main__":

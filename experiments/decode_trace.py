@@ -7,8 +7,9 @@ then traces ``--trace_steps`` more and summarizes the trace from its ``.xplane.p
 kernels by total time, the host-to-device copies, and the host spans the library annotates
 (``rkv.*``: the CPU tail kernel, the query's host copy, stream flow control). Writes one JSON.
 
-Configurations: ``resident:<context>`` (every layer resident) and ``offload:<context>:<share>``
-(the planner's auto mode with ``share`` of the KV on the host).
+Configurations: ``resident:<context>`` (every layer resident), ``offload:<context>:<share>``
+(the planner's auto mode with ``share`` of the KV on the host) and ``beyond:<context>`` (the
+planner's default budget: all free device memory after the weights, minus its reserve).
 
 Example (H200, ~4 min):
   .venv/bin/python -m experiments.decode_trace --configs=resident:2048,resident:131072,\
@@ -27,6 +28,8 @@ import time
 
 from absl import app, flags
 
+import rkv  # noqa: F401  (first: rkv sets the device memory fraction before JAX starts)
+
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
 _CONFIGS = flags.DEFINE_list("configs", ["resident:2048", "resident:131072",
                                          "offload:131072:0.5"], "kind:context[:host share].")
@@ -36,6 +39,18 @@ _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.")
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
+
+
+def _union(intervals) -> int:
+  total, end = 0, None
+  for a, b in sorted(intervals):
+    if end is None or a > end:
+      total += b - a
+      end = b
+    elif b > end:
+      total += b - end
+      end = b
+  return total
 
 
 def summarize(xplane_path: str, top: int) -> dict:
@@ -48,7 +63,12 @@ def summarize(xplane_path: str, top: int) -> dict:
   for plane in pd.planes:
     if plane.name.startswith("/device:GPU"):
       lines = {}
+      spans = collections.defaultdict(list)  # what kind of stream -> [(start, end)]
       for line in plane.lines:
+        kind = "h2d" if "MemcpyH2D" in line.name else (
+            "compute" if "Compute" in line.name else None)
+        if kind:
+          spans[kind] += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
         tot = collections.Counter()
         cnt = collections.Counter()
         busy = 0
@@ -63,6 +83,9 @@ def summarize(xplane_path: str, top: int) -> dict:
                                   top=[dict(name=n[:160], total_ns=t, count=cnt[n])
                                        for n, t in tot.most_common(top)])
       out["devices"][plane.name] = lines
+      # Busy time of each kind of stream, overlaps merged: how long the PCIe link (any H2D
+      # stream) and the compute stream were working within the traced window.
+      out.setdefault("busy_union_ns", {})[plane.name] = {k: _union(v) for k, v in spans.items()}
     elif plane.name.startswith("/host:CPU"):
       spans = collections.defaultdict(list)
       for line in plane.lines:
@@ -75,31 +98,17 @@ def summarize(xplane_path: str, top: int) -> dict:
   return out
 
 
-def _caches(kind, mc, ctx, share, rand, key, profile):
-  import jax
+def _caches(kind, mc, ctx, share, key, profile):
   from rkv import decode_bench as db
-  from rkv import generate as gen
-  from rkv.models.kv import ROLLING_TACTICS
   cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
-                       profile_path=profile, warmup=_WARMUP.value,
-                       steps=_STEPS.value + _TRACE_STEPS.value,
+                       budget="auto" if kind == "beyond" else "fraction", profile_path=profile,
+                       warmup=_WARMUP.value, steps=_STEPS.value + _TRACE_STEPS.value + 1,
                        offload_warmup=_WARMUP.value,
-                       offload_steps=_STEPS.value + _TRACE_STEPS.value)
-  cap, fill = cfg.capacity(ctx), cfg.fill(ctx)
-  info = {}
-  keys = jax.random.split(key, mc.num_layers)
+                       offload_steps=_STEPS.value + _TRACE_STEPS.value + 1)
   if kind == "resident":
-    return tuple(db.filled_resident(mc, 1, cap, fill, k, rand) for k in keys), fill, info
+    return db.build_caches(cfg, mc, ctx, key), cfg.fill(ctx), {}
   plan, info = db._offload_plan(cfg, mc, ctx)
-  caches = []
-  for lp, k in zip(plan.layers, keys):
-    if lp.tactic in ROLLING_TACTICS:
-      kv = db.filled_rolling(mc, 1, cap, fill, window_cells=lp.window_cells,
-                             tile_cells=lp.tile_cells, key=k, rand=rand)
-      caches.append(gen.serve_rolling(lp, kv))
-    else:
-      caches.append(db.filled_resident(mc, 1, cap, fill, k, rand))
-  return tuple(caches), fill, info
+  return db.build_caches(cfg, mc, ctx, key, plan), cfg.fill(ctx), info
 
 
 def main(argv):
@@ -116,7 +125,6 @@ def main(argv):
   model = Transformer(mc, rngs=nnx.Rngs(0))
   jax.block_until_ready(nnx.state(model))
   forward = jit_forward(model, last_only=True)
-  rand = db._rand_fn()
   result = dict(benchmarking.environment(), preset=mc.name,
                 weight_gib=db.weight_bytes(mc) / db.GIB,
                 memory_stats=jax.devices()[0].memory_stats(), rows=[])
@@ -128,8 +136,7 @@ def main(argv):
     result["rows"].append(row)
     caches = None
     try:
-      caches, fill, info = _caches(kind, mc, ctx, share, rand, jax.random.key(ctx),
-                                   _PROFILE.value)
+      caches, fill, info = _caches(kind, mc, ctx, share, jax.random.key(ctx), _PROFILE.value)
       row.update(info)
       jax.block_until_ready(caches)
       step = _Stepper(model, caches, forward)
@@ -137,9 +144,15 @@ def main(argv):
       times, dispatch, caches = db._decode_rkv(step, caches, fill, _WARMUP.value, _STEPS.value, 1)
       row["step_ms"] = 1e3 * statistics.median(times[_WARMUP.value:])
       row["host_ms"] = 1e3 * statistics.median(dispatch[_WARMUP.value:])
+      opts = jax.profiler.ProfileOptions()
+      opts.python_tracer_level = 0
       with tempfile.TemporaryDirectory() as d:
-        opts = jax.profiler.ProfileOptions()
-        opts.python_tracer_level = 0
+        # The first traced step pays the profiler's start (1 s on the H200): trace one step and
+        # throw it away first.
+        with jax.profiler.trace(d, profiler_options=opts):
+          _, _, caches = db._decode_rkv(step, caches, fill + n, 0, 1, 1)
+        n += 1
+      with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, profiler_options=opts):
           t0 = time.perf_counter()
           t_tr, _, caches = db._decode_rkv(step, caches, fill + n, 0, _TRACE_STEPS.value, 1)

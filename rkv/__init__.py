@@ -5,7 +5,17 @@ Dimension glossary (shape letters used in every docstring and comment):
   D head dim · W window cells · P tail cells · L layers.
 Layouts follow ``jax.nn.dot_product_attention``: q ``[B,T,H,D]``, k/v ``[B,S,K,D]``, o ``[B,T,H,D]``.
 LSE is natural-log float32 ``[B,T,H]``; a row that sees no key has ``o = 0`` and ``lse = -inf``.
+
+Device memory: importing rkv sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.98`` (JAX's GPU default is
+0.75) unless it (or ``XLA_CLIENT_MEM_FRACTION``) is already set or jax's backend already exists;
+``rkv.offload.memory.device_memory()`` says which happened. Opt out by setting the variable
+yourself before importing rkv, e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=.75``.
 """
+
+# Before anything imports jax: XLA's GPU client reads the fraction once, when it starts.
+from rkv import _env
+
+_env.set_default_mem_fraction()
 
 from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials
 from rkv import cache, offload

@@ -11,14 +11,18 @@ Configurations (rows):
 
 - ``rkv_resident``: every layer a :class:`rkv.models.ResidentCache`, the jitted decode step.
   Skipped (with the reason) when weights + KV + a margin exceed the device memory.
-- ``rkv_offload``: :func:`rkv.plan` with ``vram_target_mib`` = ``offload_fraction`` (default half)
-  of the full KV bytes, mode ``auto``; when the planner picks a tactic the synthetic fill cannot
-  build (``head``: :data:`FILLED_TACTICS`) it re-plans with mode ``window`` (recorded as
-  ``planner_fallback``); ``cpu`` / ``hybrid`` layers are served as planned
-  (:func:`rkv.generate.serve_rolling`). ``offload_mode="force"``
-  uses :func:`rkv.generate.force_stream` with ``W = (1 - offload_fraction) * context``.
-  Window/staging cells on the device, whole tail tiles in ``pinned_host``, filled on the device
-  and moved to the host tile by tile.
+- ``rkv_offload``: :func:`rkv.plan`, mode ``auto``, with the device budget of ``budget``:
+  ``"fraction"`` (default): ``vram_target_mib`` = ``1 - offload_fraction`` (default half) of the
+  full KV bytes; ``"auto"``: ``vram_target_mib=0``, i.e. all free device memory after the
+  weights minus the planner's reserve (``reserve_mib``; ``offload_fraction`` is then unused): the
+  planner decides the window, and the rows go beyond HBM. The plan is made after the weights are
+  on the device (so free memory is right) and after the previous row's caches are freed. When
+  the planner picks a tactic the synthetic fill cannot build (``head``: :data:`FILLED_TACTICS`)
+  it re-plans with mode ``window`` (recorded as ``planner_fallback``); ``cpu`` / ``hybrid``
+  layers are served as planned (:func:`rkv.generate.serve_rolling`). ``offload_mode="force"``
+  uses :func:`rkv.generate.force_stream` with ``W = (1 - offload_fraction) * context`` (budget
+  ``fraction`` only). Window/staging cells on the device, whole tail tiles in ``pinned_host``,
+  generated on the device and moved to the host tile by tile.
 - ``hf_static``: ``LlamaForCausalLM`` (sdpa, bf16, random init on the torch device) with a
   ``StaticCache`` whose layers are allocated and filled with random K/V in place.
 - ``hf_offloaded``: transformers' offloaded cache: ``StaticCache(..., offloading=True)``
@@ -27,17 +31,65 @@ Configurations (rows):
   ``OffloadedCache`` classes; the row's ``hf_cache`` says which one ran. HF offloads whole layers
   (every layer but the one computing lives on the CPU), so it moves the full KV each step.
 
+``kv_dtype`` (default: the model dtype) may be ``int8``: the rkv caches are int8 RollingKVs
+(K/V int8, float32 scales per token and KV head, the tail's in ``pinned_host`` too), generated in
+the model dtype on the device a tile at a time and quantized there (``rkv.cache.quantize_int8``).
+:class:`rkv.models.ResidentCache` holds no int8, so a layer the plan keeps resident (and every
+layer of ``rkv_resident``) is a RollingKV whose window is the whole capacity (no tail, no staging:
+rkv.rolling_attention's resident path, run eagerly per layer, not as one jitted step). The
+transformers rows are skipped for int8 (their caches hold the model dtype).
+
+``batch`` > 1: every row's positions run ``0..fill-1`` in each batch row (unpadded, like
+:func:`rkv.generate.generate`); tokens/s counts all rows.
+
+**The bound.** Every rkv row carries the bandwidth bound of its decode step
+(:func:`step_bound`): ``max(device bytes / HBM, sum over layers of tail bytes / link rate)``.
+Device bytes: the weights read per step (all but the input embedding table, of which a step reads
+one row) plus every layer's K/V (+ int8 scales) attended on the device (window and staging
+buffers; a resident layer's whole cache); tail bytes: the full host tiles at the fill, the cells a
+step streams or reads on the host. Link rate of a layer: ``stream`` PCIe (``pcie_gbps``),
+``cpu`` the CPU attention rate (:func:`rkv.residency.cpu_rate`: ``cpu_attn_gbps``, capped by
+``host_read_gbps``), ``hybrid`` both sides at once at their contended rates
+(:func:`rkv.residency.hybrid_rates`, summed: an optimal split moves the tail at their sum).
+Layers run one after another, so their tail times add. Fixed costs (call overheads, the first
+transfer's latency) are not in the bound. Rates are the plan's profile's (``profile_path``). The
+row gets ``bound_s``, ``bound_tokens_per_s`` (``batch / bound_s``), ``bound_ratio`` (``step_s /
+bound_s``), ``device_bytes``, ``tail_bytes``, ``hbm_gbps``, ``link_gbps`` (tactic -> GB/s used),
+``bound_by`` (``device`` or ``tail``).
+
+Before filling, the caches' device bytes plus one generated tile are checked against free device
+memory (``memory_stats()``: ``bytes_limit - bytes_in_use``; skipped when the backend reports none)
+and the host tail against available host RAM: a ValueError with the figures (the row's ``error``)
+instead of a RESOURCE_EXHAUSTED or the OOM killer halfway through. The fill logs a progress line
+every ``fill_log_every`` layers (layer i/L, GiB written, seconds).
+
 The transformers rows run first, in a **spawned child process** that never imports JAX's GPU
 backend: JAX preallocates most of the device memory when its backend starts, and the child must
 have the whole card; the child exits (freeing everything) before the rkv rows start. Its rows come
 back through a JSON file.
 
-Ratios per context: ``rkv_resident / hf_static`` and ``rkv_offload / hf_offloaded`` (tokens/s).
+Ratios per context (and batch, kv dtype): ``rkv_resident / hf_static`` and ``rkv_offload /
+hf_offloaded`` (tokens/s). :func:`main` with ``append=True`` adds a run's rows to an existing
+JSON (``runs`` lists each run's config), so one file can hold several configuration groups.
+
+Beyond HBM on one H200 (``experiments/decode_bench.py``; a pinned-host tail above 64 GiB needs
+``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` set before JAX starts, :mod:`rkv.offload.memory`)::
+
+  # 1M tokens, bf16 (128 GiB of KV), the planner's window
+  python -m experiments.decode_bench --configs=rkv_offload --budget=auto --contexts=1048576 \\
+      --out=benchmarks/results/decode_beyond_hbm_h200.json --plot=
+  # 2M tokens, int8 KV (132 GiB with scales)
+  python -m experiments.decode_bench --configs=rkv_offload --budget=auto --contexts=2097152 \\
+      --kv_dtype=int8 --out=benchmarks/results/decode_beyond_hbm_h200.json --append --plot=
+  # batch 8 at 128K (128 GiB of KV)
+  python -m experiments.decode_bench --configs=rkv_offload --budget=auto --contexts=131072 \\
+      --batch=8 --out=benchmarks/results/decode_beyond_hbm_h200.json --append --plot=
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import multiprocessing
@@ -46,21 +98,29 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 GIB = 1 << 30
 MIB = 1 << 20
+GB = 1e9  # the profile's GB/s are 1e9 bytes per second
 CONFIGS = ("rkv_resident", "rkv_offload", "hf_static", "hf_offloaded")
 OFFLOAD_MODES = ("auto", "window", "force")
-# rkv.rolling.SCHEDULES, spelled out: this module is imported by the HF child, which must not
-# import jax (tests/decode_bench_test.py checks the two agree).
+# How rkv_offload's device budget is set: "fraction": (1 - offload_fraction) of the KV bytes;
+# "auto": vram_target_mib=0, all free device memory after the weights minus the planner's reserve.
+BUDGETS = ("fraction", "auto")
+# rkv.rolling.SCHEDULES and rkv.cache.KV_DTYPES, spelled out: this module is imported by the HF
+# child, which must not import jax (tests/decode_bench_test.py checks they agree).
 SCHEDULES = ("eager", "unrolled")
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 # Plan tactics whose caches the synthetic fill builds: a filled RollingKV serves stream, cpu and
 # hybrid alike; a head split would need a filled RollingKV per head group (not written yet).
 FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
+ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # rkv.models.kv.ROLLING_TACTICS (tests compare)
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
+INT8_SCALE_BYTES = 2 * 4  # float32 k and v scale per (token, KV head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +130,8 @@ class BenchConfig:
   configs: tuple[str, ...] = CONFIGS
   batch: int = 1
   dtype: str = "bfloat16"
+  # The KV caches' dtype (KV_DTYPES); None: the model dtype. int8: rkv rows only (module doc).
+  kv_dtype: str | None = None
   warmup: int = 3
   steps: int = 16
   # Offloaded rows are slow (HF moves the whole KV over PCIe every step): fewer steps.
@@ -77,11 +139,15 @@ class BenchConfig:
   offload_steps: int = 6
   offload_fraction: float = 0.5
   offload_mode: str = "auto"
+  budget: str = "fraction"
+  # The planner's reserve under budget="auto" (MiB); None: rkv.ResidencyConfig's default
+  # (2048 MiB plus two of the largest tiles streaming).
+  reserve_mib: float | None = None
   tile_cells: int = 32768
   min_tile_cells: int = 4096
   margin_gib: float = 6.0
   device_memory_gib: float = 0.0  # 0: ask the device (JAX bytes_limit / torch total memory)
-  host_memory_fraction: float = 0.85  # HF offloaded needs the full KV in host RAM
+  host_memory_fraction: float = 0.85  # of available host RAM a host KV (rkv tail, HF) may take
   hf_device: str = "auto"  # auto: cuda if torch sees one, else cpu
   impl: str = "auto"
   # The rolling caches' streaming schedule (rkv.rolling_attention's; None: its default).
@@ -89,6 +155,7 @@ class BenchConfig:
   # The planner's measured figures (rkv.Profile JSON, e.g. benchmarks/results/profile_h200.json);
   # None: ResidencyConfig's default (~/.cache/rkv/profile.json if present, else H200_DEFAULT).
   profile_path: str | None = None
+  fill_log_every: int = 4  # layers between the fill's progress lines
   seed: int = 0
 
   def __post_init__(self):
@@ -98,11 +165,27 @@ class BenchConfig:
       raise ValueError(f"{where}: unknown configs {bad}; choose from {CONFIGS}")
     if self.offload_mode not in OFFLOAD_MODES:
       raise ValueError(f"{where}: offload_mode must be one of {OFFLOAD_MODES}")
+    if self.budget not in BUDGETS:
+      raise ValueError(f"{where}: budget must be one of {BUDGETS}, got {self.budget!r}")
+    if self.budget == "auto" and self.offload_mode == "force":
+      raise ValueError(f"{where}: budget='auto' lets the planner size the window; "
+                       f"offload_mode='force' sets it from offload_fraction: use budget="
+                       f"'fraction' with force")
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"{where}: kv_dtype must be one of {KV_DTYPES} or None (the model "
+                       f"dtype), got {self.kv_dtype!r}")
+    if self.reserve_mib is not None and not self.reserve_mib >= 0:
+      raise ValueError(f"{where}: reserve_mib must be >= 0 or None, got {self.reserve_mib!r}")
     if self.schedule is not None and self.schedule not in SCHEDULES:
       raise ValueError(f"{where}: schedule must be one of {SCHEDULES} or None, got "
                        f"{self.schedule!r}")
     if not 0 < self.offload_fraction < 1:
       raise ValueError(f"{where}: offload_fraction must be in (0, 1)")
+    if not isinstance(self.batch, int) or self.batch < 1:
+      raise ValueError(f"{where}: batch must be a positive int, got {self.batch!r}")
+    if not isinstance(self.fill_log_every, int) or self.fill_log_every < 1:
+      raise ValueError(f"{where}: fill_log_every must be a positive int, got "
+                       f"{self.fill_log_every!r}")
     if not self.contexts or any(int(c) < 2 for c in self.contexts):
       raise ValueError(f"{where}: contexts must be ints >= 2, got {self.contexts}")
     if self.steps < 1 or self.offload_steps < 1 or self.warmup < 0 or self.offload_warmup < 0:
@@ -120,6 +203,11 @@ class BenchConfig:
   def decode_steps(self) -> int:
     return max(self.warmup + self.steps, self.offload_warmup + self.offload_steps)
 
+  @property
+  def kv_dtype_name(self) -> str:
+    """The caches' dtype: ``kv_dtype``, else the model dtype."""
+    return self.kv_dtype or _np_dtype(self.dtype).name
+
   def capacity(self, context: int) -> int:
     """Cells each cache holds: exactly the context. The synthetic fill stops
     :attr:`decode_steps` short of it and the decode steps write the rest. (An exact power-of-two
@@ -133,6 +221,12 @@ class BenchConfig:
     return int(context) - self.decode_steps
 
 
+def _np_dtype(dtype) -> np.dtype:
+  """``dtype`` (a name such as "bfloat16", or a dtype) as a NumPy dtype."""
+  import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; no jax import)
+  return np.dtype(dtype)
+
+
 def model_config(cfg: BenchConfig):
   from rkv.models import ModelConfig
   mc = ModelConfig.preset(cfg.preset, dtype=cfg.dtype)
@@ -142,12 +236,29 @@ def model_config(cfg: BenchConfig):
   return mc
 
 
-def kv_bytes(mc, cells: int, batch: int) -> int:
-  return mc.kv_bytes_per_token() * cells * batch
+def kv_cell_bytes(mc, kv_dtype: str | None = None) -> int:
+  """Bytes of one cell (token) of one layer and one batch row: K and V of every KV head, plus the
+  float32 scales of an int8 cache (``kv_dtype`` None: the model dtype)."""
+  dt = _np_dtype(mc.dtype if kv_dtype is None else kv_dtype)
+  scales = INT8_SCALE_BYTES if dt == np.dtype(np.int8) else 0
+  return mc.num_kv_heads * (2 * mc.head_dim * dt.itemsize + scales)
+
+
+def kv_bytes(mc, cells: int, batch: int, kv_dtype: str | None = None) -> int:
+  """K/V (+ scales) bytes of every layer's cache of ``cells`` cells."""
+  return mc.num_layers * kv_cell_bytes(mc, kv_dtype) * cells * batch
 
 
 def weight_bytes(mc) -> int:
   return int(mc.param_count() * np.dtype(mc.dtype).itemsize)
+
+
+def weight_read_bytes(mc) -> int:
+  """Weight bytes a decode step reads: all but the input embedding table, of which it reads one
+  row per token (a tied table is the output projection too, read whole)."""
+  if mc.tie_embeddings:
+    return weight_bytes(mc)
+  return weight_bytes(mc) - int(mc.vocab_size * mc.hidden_size * np.dtype(mc.dtype).itemsize)
 
 
 def _summary(times: list[float], warmup: int, batch: int) -> dict[str, Any]:
@@ -165,10 +276,203 @@ def _fits(need: int, limit: int | None, what: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The bound (pure: bytes and rates)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerTraffic:
+  """One layer's bytes per decode step: ``device_bytes`` of K/V (+ scales) attended on the device,
+  ``tail_bytes`` of the host tail read through the layer's ``tactic``'s link."""
+
+  tactic: str
+  device_bytes: int
+  tail_bytes: int
+
+
+def layer_traffic(tactic: str, *, capacity: int, window_cells: int, tile_cells: int | None,
+                  fill: int, batch: int, cell_bytes: int) -> LayerTraffic:
+  """The bytes one layer's step moves (``cell_bytes``: :func:`kv_cell_bytes`).
+
+  ``resident``: its whole cache (a resident step attends every slot, masked by positions). A
+  rolling layer (``stream``, ``cpu``, ``hybrid``): the window and staging buffers on the device
+  (attended whole), and the full host tiles at ``fill`` (the cells a step streams or reads on the
+  host). Positions (4 bytes a cell) are not counted."""
+  if tactic == "resident" or window_cells >= capacity:
+    return LayerTraffic(tactic, batch * capacity * cell_bytes, 0)
+  if tactic not in ROLLING_TACTICS:
+    raise ValueError(f"layer_traffic: tactic must be 'resident' or one of {ROLLING_TACTICS}, got "
+                     f"{tactic!r}")
+  if not tile_cells or tile_cells < 1:
+    raise ValueError(f"layer_traffic: tile_cells must be a positive int for tactic {tactic!r}, "
+                     f"got {tile_cells!r}")
+  staging = min(tile_cells, capacity - window_cells)
+  n_full = max(fill - window_cells, 0) // tile_cells
+  return LayerTraffic(tactic, batch * (window_cells + staging) * cell_bytes,
+                      batch * n_full * tile_cells * cell_bytes)
+
+
+def step_bound(device_bytes: float, hbm_gbps: float,
+               tails: Iterable[tuple[float, float]] = ()) -> dict[str, Any]:
+  """The bandwidth bound of one decode step: ``max(device_bytes / HBM, sum of tail_bytes / rate
+  over the (tail_bytes, rate_gbps) of tails)`` (layers run one after another, so their tail
+  times add; a tail of 0 bytes needs no rate). Rates in GB/s (1e9 B/s). Returns ``bound_s``,
+  ``device_s``, ``tail_s`` and ``bound_by`` ("device" or "tail")."""
+  if not hbm_gbps or not hbm_gbps > 0:
+    raise ValueError(f"step_bound: hbm_gbps must be positive, got {hbm_gbps!r}")
+  if device_bytes < 0:
+    raise ValueError(f"step_bound: device_bytes must be >= 0, got {device_bytes!r}")
+  tail_s = 0.0
+  for nbytes, rate in tails:
+    if nbytes < 0:
+      raise ValueError(f"step_bound: tail bytes must be >= 0, got {nbytes!r}")
+    if not nbytes:
+      continue
+    if rate is None or not rate > 0:
+      raise ValueError(f"step_bound: a tail of {nbytes} bytes needs a positive rate (GB/s), got "
+                       f"{rate!r}")
+    tail_s += nbytes / (rate * GB)
+  device_s = device_bytes / (hbm_gbps * GB)
+  return dict(bound_s=max(device_s, tail_s), device_s=device_s, tail_s=tail_s,
+              bound_by="tail" if tail_s > device_s else "device")
+
+
+def link_rates_gbps(profile) -> dict[str, float | None]:
+  """GB/s of each tactic's host link under ``profile`` (an rkv.Profile): ``stream`` PCIe,
+  ``cpu`` :func:`rkv.residency.cpu_rate`, ``hybrid`` the sum of
+  :func:`rkv.residency.hybrid_rates` (both sides at their contended rates; an optimal split
+  moves the tail at their sum). None: the profile has no CPU figure."""
+  from rkv import residency
+  cpu = residency.cpu_rate(profile)
+  hyb = residency.hybrid_rates(profile)
+  return dict(stream=float(profile.pcie_gbps), cpu=None if cpu is None else cpu / GB,
+              hybrid=None if hyb is None else float(hyb[0]) + hyb[1] / GB)
+
+
+def bound_fields(layers: Iterable[LayerTraffic], weight_bytes: int, hbm_gbps: float,
+                 link_gbps: Mapping[str, float | None], batch: int) -> dict[str, Any]:
+  """The row fields of the bound of a step over ``layers`` plus ``weight_bytes`` of weights
+  (:func:`step_bound`): ``device_bytes``, ``tail_bytes``, ``hbm_gbps``, ``link_gbps`` (the rates
+  of the tactics with a tail), ``bound_s``, ``device_s``, ``tail_s``, ``bound_by``,
+  ``bound_tokens_per_s`` (``batch / bound_s``)."""
+  layers = list(layers)
+  device = weight_bytes + sum(lt.device_bytes for lt in layers)
+  used = sorted({lt.tactic for lt in layers if lt.tail_bytes})
+  missing = [t for t in used if link_gbps.get(t) is None]
+  if missing:
+    raise ValueError(f"bound_fields: no link rate for tactics {missing} (link_gbps="
+                     f"{dict(link_gbps)}); a cpu/hybrid bound needs the profile's CPU figures")
+  b = step_bound(device, hbm_gbps, [(lt.tail_bytes, link_gbps.get(lt.tactic)) for lt in layers])
+  return dict(device_bytes=int(device), tail_bytes=int(sum(lt.tail_bytes for lt in layers)),
+              hbm_gbps=float(hbm_gbps), link_gbps={t: link_gbps[t] for t in used}, **b,
+              bound_tokens_per_s=batch / b["bound_s"] if b["bound_s"] > 0 else None)
+
+
+def plan_traffic(plan, fill: int, cell_bytes: int) -> list[LayerTraffic]:
+  """:func:`layer_traffic` of every layer of an :class:`rkv.Plan` at ``fill``."""
+  return [layer_traffic(lp.tactic, capacity=lp.capacity, window_cells=lp.window_cells,
+                        tile_cells=lp.tile_cells, fill=fill, batch=plan.batch,
+                        cell_bytes=cell_bytes) for lp in plan.layers]
+
+
+def plan_bound(plan, mc, fill: int, kv_dtype: str | None = None) -> dict[str, Any]:
+  """The bound fields (:func:`bound_fields`) of the step of ``plan`` (its profile's rates) for
+  model config ``mc`` with its caches filled to ``fill`` cells."""
+  cell = kv_cell_bytes(mc, kv_dtype or plan.kv_dtype)
+  return bound_fields(plan_traffic(plan, fill, cell), weight_read_bytes(mc),
+                      plan.profile.hbm_gbps, link_rates_gbps(plan.profile), plan.batch)
+
+
+def resident_bound(mc, profile, capacity: int, batch: int,
+                   kv_dtype: str | None = None) -> dict[str, Any]:
+  """The bound fields of an all-resident step (every layer's whole cache of ``capacity``)."""
+  cell = kv_cell_bytes(mc, kv_dtype)
+  layers = [LayerTraffic("resident", batch * capacity * cell, 0)] * mc.num_layers
+  return bound_fields(layers, weight_read_bytes(mc), profile.hbm_gbps,
+                      link_rates_gbps(profile), batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory checks before a fill
+# ----------------------------------------------------------------------------------------------
+def free_device_bytes(stats: Mapping | None) -> int | None:
+  """``bytes_limit - bytes_in_use`` of a device's ``memory_stats()``; None without them."""
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def host_available_bytes() -> int | None:
+  """Host RAM available to a new allocation: ``MemAvailable`` (page cache counts as free), else
+  free pages; None if neither is known."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  except (ValueError, OSError):
+    return None
+
+
+def check_fill(*, device_bytes: int, transient_bytes: int, free_device: int | None,
+               host_bytes: int, host_available: int | None, host_fraction: float,
+               what: str) -> None:
+  """Raises ValueError (with the figures) when the caches about to be filled cannot fit: their
+  ``device_bytes`` plus ``transient_bytes`` (one tile being generated) above ``free_device``, or
+  their pinned-host tail ``host_bytes`` above ``host_fraction`` of ``host_available``. A None
+  figure (unknown) skips its check."""
+  need = device_bytes + transient_bytes
+  if free_device is not None and need > free_device:
+    raise ValueError(
+        f"{what}: the fill needs {need / GIB:.2f} GiB of device memory (caches "
+        f"{device_bytes / GIB:.2f} GiB + one generated tile {transient_bytes / GIB:.2f} GiB) but "
+        f"{free_device / GIB:.2f} GiB is free: lower context or batch, raise offload_fraction, "
+        f"or use budget='auto'")
+  if host_available is not None and host_bytes > host_fraction * host_available:
+    raise ValueError(
+        f"{what}: the host tail needs {host_bytes / GIB:.2f} GiB of pinned host memory, above "
+        f"{host_fraction:.0%} of the {host_available / GIB:.2f} GiB of host RAM available: lower "
+        f"context or batch, or use kv_dtype='int8'")
+
+
+# ----------------------------------------------------------------------------------------------
 # rkv side (JAX)
 # ----------------------------------------------------------------------------------------------
+@functools.cache
+def _kernels():
+  """The fill's jitted helpers (built once: this module is imported by the HF child, which must
+  not import jax)."""
+  import jax
+  import jax.numpy as jnp
+  from rkv.cache import quantize_int8
+
+  @functools.partial(jax.jit, static_argnums=(2, 3, 4))
+  def generate(key, i, shape, dtype, int8):
+    """Random K and V ``shape`` of ``dtype`` from ``fold_in(key, i)``, int8-quantized on the
+    device with ``int8``: ``(k, v)`` or ``(k, v, k_scale, v_scale)``."""
+    kk, kv = jax.random.split(jax.random.fold_in(key, i))
+    k, v = jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype)
+    if not int8:
+      return k, v
+    (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+    return k, v, ks, vs
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def write(parts, new, offset):
+    """``new`` into ``parts`` (donated: in place) at cell ``offset`` (axis 1)."""
+    return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1)
+                 for x, y in zip(parts, new))
+
+  return generate, write
+
+
 def _rand_fn():
-  import functools
+  """A jitted ``rand(key, shape, dtype)`` normal sampler. The fill no longer uses it (it
+  generates chunks through :func:`_kernels`); kept, with the ``rand`` arguments of
+  :func:`filled_resident` / :func:`filled_rolling`, for their callers
+  (experiments/decode_trace.py)."""
   import jax
 
   @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -178,66 +482,110 @@ def _rand_fn():
 
 
 def _positions(batch, lo, hi, cells):
-  """``[B,cells]`` int32: positions lo..hi-1 in the first hi-lo slots, -1 after."""
+  """``[B,cells]`` int32: positions lo..hi-1 in the first hi-lo slots of every row, -1 after."""
   import jax.numpy as jnp
   idx = jnp.arange(cells, dtype=jnp.int32)
   pos = jnp.where(idx < hi - lo, lo + idx, -1).astype(jnp.int32)
   return jnp.broadcast_to(pos, (batch, cells))
 
 
-def filled_resident(mc, batch, capacity, fill, key, rand):
-  """A :class:`ResidentCache` of ``capacity`` cells whose first ``fill`` hold random K/V."""
-  import jax
+class _Keys:
+  """Distinct indices for ``fold_in`` under one key: every generated chunk gets its own."""
+
+  def __init__(self, key):
+    self.key, self.i = key, 0
+
+  def next(self) -> int:
+    self.i += 1
+    return self.i
+
+
+def _random_block(mc, batch, cells, lo, n, *, kv_dtype, chunk, keys):
+  """A :class:`rkv.cache.KVBlock` of ``cells`` device cells whose first ``n`` hold random K/V at
+  positions ``lo..lo+n-1`` (the others empty: position -1), generated ``chunk`` cells at a time
+  in the model dtype (quantized on the device for int8) and written in place into the block: one
+  chunk is the only transient, whatever the block's size."""
+  import jax.numpy as jnp
+  from rkv.cache import KVBlock
+  generate, write = _kernels()
+  dt, kdt = jnp.dtype(mc.dtype), jnp.dtype(kv_dtype)
+  int8 = kdt == jnp.dtype(jnp.int8)
+  kh, d = mc.num_kv_heads, mc.head_dim
+  c = min(int(chunk), cells)
+  if n and c == cells:  # one chunk is the block
+    parts = generate(keys.key, keys.next(), (batch, cells, kh, d), dt, int8)
+  else:
+    kv0 = lambda: jnp.zeros((batch, cells, kh, d), kdt)
+    scale0 = lambda: jnp.zeros((batch, cells, kh), jnp.float32)
+    parts = (kv0(), kv0()) + ((scale0(), scale0()) if int8 else ())
+    offsets = range(0, n, c) if n else ()  # no data, no chunk (c is 0 for a 0-cell block)
+    for off in offsets:
+      # The last chunk ends at the block's end (one chunk shape, one compile); the cells it
+      # writes past n are empty slots (position -1), never attended.
+      parts = write(parts, generate(keys.key, keys.next(), (batch, c, kh, d), dt, int8),
+                    np.int32(min(off, cells - c)))
+  scales = parts[2:] if int8 else (None, None)
+  return KVBlock(k=parts[0], v=parts[1], pos=_positions(batch, lo, lo + n, cells),
+                 k_scale=scales[0], v_scale=scales[1])
+
+
+def filled_resident(mc, batch, capacity, fill, key, rand=None, *, chunk_cells=32768):
+  """A :class:`ResidentCache` of ``capacity`` cells whose first ``fill`` hold random K/V (the
+  model dtype: a ResidentCache holds no int8), generated ``chunk_cells`` at a time. ``rand``:
+  unused (the old sampler argument, accepted for callers that still pass it)."""
+  del rand
   import jax.numpy as jnp
   from rkv.models.kv import ResidentCache
-  shape = (batch, capacity, mc.num_kv_heads, mc.head_dim)
-  kk, kv = jax.random.split(key)
-  return ResidentCache(k=rand(kk, shape, jnp.dtype(mc.dtype)), v=rand(kv, shape, jnp.dtype(mc.dtype)),
-                       pos=_positions(batch, 0, fill, capacity), length=jnp.int32(fill))
+  b = _random_block(mc, batch, capacity, 0, fill, kv_dtype=mc.dtype, chunk=chunk_cells,
+                    keys=_Keys(key))
+  return ResidentCache(k=b.k, v=b.v, pos=b.pos, length=jnp.int32(fill))
 
 
-def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, rand):
+def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, rand=None,
+                   kv_dtype=None, chunk_cells=None):
   """A :class:`rkv.RollingKV` (``capacity`` cells, ``W = window_cells``) holding ``fill`` random
   cells: window and staging on the device, whole tail tiles generated on the device and moved to
-  ``pinned_host`` one at a time (never a host numpy copy of the tail)."""
+  ``pinned_host`` one at a time (never a host numpy copy of the tail). ``kv_dtype`` (default the
+  model dtype) may be int8: K/V quantized on the device, the scales beside them (the tail's in
+  pinned_host too). ``W = capacity`` is a cache with no tail (and no staging): how an int8 layer
+  is resident. ``chunk_cells`` (default ``tile_cells``): the generated chunk of window and
+  staging. ``rand``: unused (as in :func:`filled_resident`)."""
+  del rand
   import jax
-  import jax.numpy as jnp
-  from rkv.cache import KVBlock, RollingKV, _tail_bytes, _tail_layout, _untile
+  from rkv.cache import RollingKV, _tail_bytes, _tail_layout, _untile
   from rkv.offload import memory
   w, tile = int(window_cells), int(tile_cells)
-  if not 0 <= w < fill <= capacity:
-    raise ValueError(f"filled_rolling: need 0 <= window_cells={w} < fill={fill} <= "
-                     f"capacity={capacity}")
-  dt = jnp.dtype(mc.dtype)
+  if not (0 <= w <= capacity and 0 < fill <= capacity and tile >= 1):
+    raise ValueError(f"filled_rolling: need 0 <= window_cells={w} <= capacity={capacity}, "
+                     f"0 < fill={fill} <= capacity and tile_cells={tile} >= 1")
+  kdt = _np_dtype(mc.dtype if kv_dtype is None else kv_dtype)
+  chunk = tile if chunk_cells is None else int(chunk_cells)
   kh, d = mc.num_kv_heads, mc.head_dim
-  memory.check_host_pool(_tail_bytes(batch, capacity, kh, d, w, tile, np.dtype(dt)),
+  memory.check_host_pool(_tail_bytes(batch, capacity, kh, d, w, tile, kdt),
                          where="decode_bench", argument="context")
   n_tiles, staging_cells = _tail_layout(w, capacity, tile)
-  n_full = (fill - w) // tile
-  staged = (fill - w) - n_full * tile
+  wf = min(fill, w)
+  n_full = (fill - wf) // tile
+  staged = (fill - wf) - n_full * tile
   if staged > staging_cells or n_full > n_tiles:
     raise ValueError("filled_rolling: inconsistent layout")
-  keys = iter(jax.random.split(key, 4 + 2 * n_tiles))
-
-  def block(cells, lo, n):
-    shape = (batch, cells, kh, d)
-    if n:
-      k, v = rand(next(keys), shape, dt), rand(next(keys), shape, dt)
-    else:
-      k, v = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
-    return KVBlock(k=k, v=v, pos=_positions(batch, lo, lo + n, cells))
-
-  window = block(w, 0, w)
-  t1 = w + n_full * tile
-  staging = block(staging_cells, t1, staged)
+  keys = _Keys(key)
+  block = lambda cells, lo, n, c: _random_block(mc, batch, cells, lo, n, kv_dtype=kdt, chunk=c,
+                                                keys=keys)
+  window = block(w, 0, wf, chunk)
+  staging = block(staging_cells, w + n_full * tile, staged, chunk)
+  quantized = kdt == np.dtype(np.int8)
   tiles = []
   for i in range(n_tiles):
-    full = i < n_full
-    b = block(tile, w + i * tile, tile if full else 0)
-    kv_host = memory.to_host((b.k, b.v))
-    tiles.append(KVBlock(k=kv_host[0], v=kv_host[1], pos=b.pos))
+    b = block(tile, w + i * tile, tile if i < n_full else 0, tile)
+    moved = memory.to_host((b.k, b.v, b.k_scale, b.v_scale))
+    # One tile in flight: the device copy is freed before the next is generated, so the fill
+    # never holds more than a tile beyond the caches (the budget leaves just the reserve).
+    jax.block_until_ready(moved)
+    tiles.append(dataclasses.replace(b, k=moved[0], v=moved[1], k_scale=moved[2],
+                                     v_scale=moved[3]))
     del b
-  tail = _untile(tiles, False)
+  tail = _untile(tiles, quantized)
   jax.block_until_ready((window, staging, tail))
   return RollingKV(window=window, staging=staging, tail=tail, window_cells=w, tile_cells=tile,
                    capacity=capacity, fill=fill)
@@ -248,32 +596,48 @@ def _tactics(p) -> list[str]:
   return list(t() if callable(t) else t)
 
 
-def _offload_plan(cfg: BenchConfig, mc, context: int):
+def _offload_plan(cfg: BenchConfig, mc, context: int, memory_stats: Mapping | None = None):
+  """``(plan, row info)`` of rkv_offload at ``context`` (module docstring: budget, fallback).
+  ``memory_stats``: given to :func:`rkv.plan` (None: the planner asks device 0 itself)."""
   import rkv
   from rkv import generate as gen
-  from rkv.models.kv import ROLLING_TACTICS
   cap = cfg.capacity(context)
-  target_mib = (1 - cfg.offload_fraction) * kv_bytes(mc, cap, cfg.batch) / MIB
+  kvd = cfg.kv_dtype_name
+  auto = cfg.budget == "auto"
+  target_mib = 0 if auto else (1 - cfg.offload_fraction) * kv_bytes(mc, cap, cfg.batch, kvd) / MIB
   info: dict[str, Any] = dict(vram_target_mib=target_mib, offload_mode=cfg.offload_mode)
   res = lambda mode: rkv.ResidencyConfig(mode=mode, vram_target_mib=target_mib,
+                                         reserve_mib=cfg.reserve_mib, kv_dtype=kvd,
                                          tile_cells=cfg.tile_cells,
                                          min_tile_cells=cfg.min_tile_cells,
                                          profile_path=cfg.profile_path)
+  plan = lambda mode: rkv.plan(mc, cap, cfg.batch, residency=res(mode),
+                               memory_stats=memory_stats)
   info["profile"] = res("auto").resolve_profile().source
   if cfg.offload_mode == "force":
-    base = rkv.plan(mc, cap, cfg.batch, residency=res("window"))
+    base = plan("window")
     w = int(round((1 - cfg.offload_fraction) * context))
     p = gen.force_stream(base, window_cells=w, tile_cells=min(cfg.tile_cells, cap - w))
     info["planner_mode"] = "force"
   else:
-    p = rkv.plan(mc, cap, cfg.batch, residency=res(cfg.offload_mode))
+    p = plan(cfg.offload_mode)
     info["planner_mode"] = cfg.offload_mode
     bad = sorted(set(_tactics(p)) - set(FILLED_TACTICS))
     if bad:
       info["planner_fallback"] = (f"mode {cfg.offload_mode!r} chose {bad}, which the synthetic "
                                   f"fill does not build: re-planned with mode 'window'")
-      p = rkv.plan(mc, cap, cfg.batch, residency=res("window"))
+      p = plan("window")
       info["planner_mode"] = "window"
+  info["budget_gib"] = p.budget_bytes / GIB
+  # The reserve and free memory the plan was made with (planners that record them).
+  for field, key in (("reserve_bytes", "reserve_gib"), ("free_bytes", "free_device_gib")):
+    val = getattr(p, field, None)
+    if val is not None:
+      info[key] = val / GIB
+  if auto and "free_device_gib" not in info:
+    free = free_device_bytes(memory_stats if memory_stats is not None else
+                             _device_memory_stats())
+    info["free_device_gib"] = None if free is None else free / GIB
   info["tactics"] = {t: _tactics(p).count(t) for t in sorted(set(_tactics(p)))}
   info["device_kv_gib"] = p.device_bytes / GIB
   info["host_kv_gib"] = p.host_bytes / GIB
@@ -285,13 +649,65 @@ def _offload_plan(cfg: BenchConfig, mc, context: int):
   return p, info
 
 
+def _cache_bytes(cache) -> tuple[int, int]:
+  """(device bytes, pinned-host bytes) of a cache's arrays."""
+  import jax
+  from rkv.offload import memory
+  dev = host = 0
+  for x in jax.tree.leaves(cache):
+    if memory.memory_kind(x) == memory.PINNED_HOST:
+      host += x.nbytes
+    else:
+      dev += x.nbytes
+  return dev, host
+
+
+def build_caches(cfg: BenchConfig, mc, context: int, key, plan=None, *, log=print,
+                 what: str = "rkv") -> tuple:
+  """One filled cache per layer: as ``plan`` places it (None: every layer resident), in
+  ``cfg.kv_dtype_name``. A resident layer is a :class:`ResidentCache`, or for int8 a RollingKV
+  whose window is the whole capacity; a stream / cpu / hybrid layer a filled RollingKV with the
+  plan's W and tile (:func:`rkv.generate.serve_rolling`). Logs progress every
+  ``cfg.fill_log_every`` layers. (A function of its own so that no layer's cache outlives the
+  row in a local of the caller: the next row's plan sees the memory freed.)"""
+  import jax
+  from rkv import generate as gen
+  cap, fill, b = cfg.capacity(context), cfg.fill(context), cfg.batch
+  int8 = cfg.kv_dtype_name == "int8"
+  n = mc.num_layers
+  caches, dev, host, t0 = [], 0, 0, time.perf_counter()
+  for i in range(n):
+    lp = None if plan is None else plan.layers[i]
+    k = jax.random.fold_in(key, i)
+    if lp is not None and lp.tactic in ROLLING_TACTICS:
+      cache = gen.serve_rolling(lp, filled_rolling(
+          mc, b, cap, fill, window_cells=lp.window_cells, tile_cells=lp.tile_cells, key=k,
+          kv_dtype=cfg.kv_dtype_name))
+    elif lp is not None and lp.tactic != "resident":
+      raise ValueError(f"build_caches: layer {i}'s tactic {lp.tactic!r} is not filled "
+                       f"(FILLED_TACTICS: {FILLED_TACTICS})")
+    elif int8:  # ResidentCache holds no int8: a RollingKV with no tail
+      cache = filled_rolling(mc, b, cap, fill, window_cells=cap, tile_cells=cfg.tile_cells,
+                             key=k, kv_dtype="int8", chunk_cells=cfg.tile_cells)
+    else:
+      cache = filled_resident(mc, b, cap, fill, k, chunk_cells=cfg.tile_cells)
+    jax.block_until_ready(cache)
+    caches.append(cache)
+    d, h = _cache_bytes(cache)
+    dev, host = dev + d, host + h
+    if (i + 1) % cfg.fill_log_every == 0 or i + 1 == n:
+      log(f"{what}: fill layer {i + 1}/{n}: {(dev + host) / GIB:.2f} GiB written (device "
+          f"{dev / GIB:.2f}, host {host / GIB:.2f}), {time.perf_counter() - t0:.1f} s")
+  return tuple(caches)
+
+
 def _decode_rkv(step, caches, context, warmup, steps, batch):
   import jax
   import jax.numpy as jnp
   tok = jnp.zeros((batch, 1), jnp.int32)
   times, dispatch = [], []
   for i in range(warmup + steps):
-    pos = np.full((batch, 1), context + i, np.int32)
+    pos = np.full((batch, 1), context + i, np.int32)  # every row at the same position
     t0 = time.perf_counter()
     logits, caches = step(tok, pos, caches)
     dispatch.append(time.perf_counter() - t0)  # the step returned: its host (Python) side
@@ -301,19 +717,118 @@ def _decode_rkv(step, caches, context, warmup, steps, batch):
   return times, dispatch, caches
 
 
-def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
+def _device_memory_stats():
   import jax
-  from flax import nnx
-  from rkv import generate as gen
+  return jax.devices()[0].memory_stats()
+
+
+def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: dict,
+              memory_stats: Callable[[], Mapping | None] | None, limit: int | None,
+              log) -> None:
+  """Plans (rkv_offload), bounds, checks, fills and decodes one rkv row into ``row``.
+  ``memory_stats``: injected device stats (None: device 0's; the planner then reads them
+  itself)."""
+  import jax
+  import rkv
   from rkv import rolling
   from rkv.generate import _Stepper
+  cap, fill, kvd = cfg.capacity(ctx), cfg.fill(ctx), cfg.kv_dtype_name
+  warmup, steps = cfg.steps_for(name)
+  what = f"rkv {name} {ctx}"
+  key = jax.random.key(cfg.seed + ctx)
+  if name == "rkv_resident":
+    profile = rkv.ResidencyConfig(profile_path=cfg.profile_path).resolve_profile()
+    row.update(resident_bound(mc, profile, cap, cfg.batch, kvd))
+    need = weight_bytes(mc) + kv_bytes(mc, cap, cfg.batch, kvd) + int(cfg.margin_gib * GIB)
+    why = _fits(need, limit, "resident KV")
+    if why:
+      row["skipped"] = why
+      log(f"{what}: skipped: {why}")
+      return
+    if kvd == "int8":
+      row["resident_as"] = "RollingKV(W=capacity): ResidentCache holds no int8"
+    positions = mc.num_layers * cfg.batch * cap * 4  # int32 per cell, beside the K/V
+    plan, dev_bytes, host_bytes = None, kv_bytes(mc, cap, cfg.batch, kvd) + positions, 0
+    chunk = cfg.tile_cells  # build_caches' chunk for resident layers
+  else:
+    plan, info = _offload_plan(cfg, mc, ctx, None if memory_stats is None else memory_stats())
+    row.update(info)
+    row.update(plan_bound(plan, mc, fill, kvd))
+    dev_bytes, host_bytes = plan.device_bytes, plan.host_bytes
+    # build_caches' largest chunk: a rolling layer's tile, a resident layer's tile_cells.
+    chunk = max(lp.tile_cells if lp.tactic in ROLLING_TACTICS else cfg.tile_cells
+                for lp in plan.layers)
+  # One chunk of K/V in the model dtype, and as much again for the generator's temporaries and
+  # the int8 copy.
+  transient = 2 * cfg.batch * min(chunk, cap) * kv_cell_bytes(mc)
+  check_fill(device_bytes=dev_bytes, transient_bytes=transient,
+             free_device=free_device_bytes((memory_stats or _device_memory_stats)()),
+             host_bytes=host_bytes,
+             host_available=host_available_bytes(), host_fraction=cfg.host_memory_fraction,
+             what=what)
+  t1 = time.perf_counter()
+  caches = build_caches(cfg, mc, ctx, key, plan, log=log, what=what)
+  row["fill_s"] = time.perf_counter() - t1
+  step = _Stepper(model, caches, forward, schedule=cfg.schedule)
+  row["jitted"] = step.jitted
+  row["schedule"] = None if step.jitted else (cfg.schedule or rolling.DEFAULT_SCHEDULE)
+  times, dispatch, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
+  del caches
+  row.update(_summary(times, warmup, cfg.batch))
+  # Seconds until the step call returned (median of the timed steps): close to step_s means the
+  # host side (Python dispatch, or a wait inside the step) bounds the step.
+  row["host_s"] = float(np.median(dispatch[warmup:]))
+  if row.get("bound_s"):
+    row["bound_ratio"] = row["step_s"] / row["bound_s"]
+  log(f"{what}: {row['tokens_per_s']:.2f} tok/s (median step {1e3 * row['step_s']:.2f} ms, "
+      f"bound {1e3 * row['bound_s']:.2f} ms by {row['bound_by']}: x{row['bound_ratio']:.2f}; "
+      f"fill {row['fill_s']:.1f} s)")
+
+
+def warm_layered_programs(model, mc, cfg: BenchConfig, log=print) -> None:
+  """Compiles the layered decode step's dense programs (embedding, each block's halves around
+  attention, logits) with one step over tiny rolling caches, before any large fill.
+
+  XLA autotunes each GEMM when it compiles it, allocating scratch on the device; compiled after a
+  fill that leaves only the planner's reserve free (1M tokens on the H200), that failed with
+  RESOURCE_EXHAUSTED allocating 16 MiB (decode_beyond_hbm_h200.json, run 1). The programs are
+  cached by model structure and shapes ([B,1] tokens), so the rows' steps reuse them; only the
+  attention partials of the real window and tile shapes compile later (Pallas kernels: no
+  autotuning)."""
+  import jax
+  import jax.numpy as jnp
+  import rkv
+  from rkv import generate as gen
+  from rkv.models import layered_forward
+  t0 = time.perf_counter()
+  cap, b = 4 * WARM_TILE, cfg.batch
+  res = rkv.ResidencyConfig(vram_target_mib=1 << 20, kv_dtype=cfg.kv_dtype_name,
+                            check_free=False)
+  plan = gen.force_tactic(rkv.plan(mc, cap, b, residency=res), "hybrid", WARM_TILE, WARM_TILE)
+  caches = gen.caches_from_plan(mc, plan, b, cap, jnp.dtype(cfg.kv_dtype_name))
+  step = layered_forward(model, last_only=True, schedule=cfg.schedule)
+  logits, caches = step(jnp.zeros((b, 1), jnp.int32), np.zeros((b, 1), np.int32), caches)
+  jax.block_until_ready(logits)
+  del caches, step
+  log(f"rkv: layered decode programs compiled on tiny caches in {time.perf_counter() - t0:.1f} s")
+
+
+WARM_TILE = 256  # cells of the warm-up caches' window and tiles (a multiple of WINDOW_ALIGN)
+
+
+def run_rkv(cfg: BenchConfig, log=print,
+            memory_stats: Callable[[], Mapping | None] | None = None) -> list[dict[str, Any]]:
+  """The rkv rows. ``memory_stats``: returns the device's ``memory_stats()`` (default: device
+  0's), read for budget="auto" plans and the fill checks; tests inject one on CPU, whose
+  backend reports none."""
+  import jax
+  from flax import nnx
   from rkv.models import Transformer, jit_forward
-  from rkv.models.kv import ROLLING_TACTICS
   mc = model_config(cfg)
   names = [c for c in cfg.configs if c.startswith("rkv_")]
   if not names:
     return []
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = (memory_stats or _device_memory_stats)() or {}
   limit = (int(cfg.device_memory_gib * GIB) if cfg.device_memory_gib else
            (int(stats["bytes_limit"]) if "bytes_limit" in stats else None))
   t0 = time.perf_counter()
@@ -322,60 +837,26 @@ def run_rkv(cfg: BenchConfig, log=print) -> list[dict[str, Any]]:
   log(f"rkv: {mc.name} random init {time.perf_counter() - t0:.1f} s "
       f"({weight_bytes(mc) / GIB:.1f} GiB weights)")
   forward = jit_forward(model, last_only=True)
-  rand = _rand_fn()
+  if "rkv_offload" in names:
+    warm_layered_programs(model, mc, cfg, log)
   rows = []
   for ctx in cfg.contexts:
     ctx = int(ctx)
-    cap, fill = cfg.capacity(ctx), cfg.fill(ctx)
+    cap = cfg.capacity(ctx)
     for name in names:
-      row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, fill=fill,
-                                 batch=cfg.batch, kv_gib=kv_bytes(mc, cap, cfg.batch) / GIB)
+      row: dict[str, Any] = dict(
+          config=name, context=ctx, capacity=cap, fill=cfg.fill(ctx), batch=cfg.batch,
+          kv_dtype=cfg.kv_dtype_name, budget=cfg.budget if name == "rkv_offload" else None,
+          kv_gib=kv_bytes(mc, cap, cfg.batch, cfg.kv_dtype_name) / GIB, tokens_per_s=None,
+          bound_tokens_per_s=None)
       rows.append(row)
-      warmup, steps = cfg.steps_for(name)
-      caches = None
       try:
-        key = jax.random.key(cfg.seed + ctx)
-        t1 = time.perf_counter()
-        if name == "rkv_resident":
-          need = weight_bytes(mc) + kv_bytes(mc, cap, cfg.batch) + int(cfg.margin_gib * GIB)
-          why = _fits(need, limit, "resident KV")
-          if why:
-            row["skipped"] = why
-            log(f"rkv {name} {ctx}: skipped: {why}")
-            continue
-          caches = tuple(filled_resident(mc, cfg.batch, cap, fill, k, rand)
-                         for k in jax.random.split(key, mc.num_layers))
-        else:
-          plan, info = _offload_plan(cfg, mc, ctx)
-          row.update(info)
-          layer_keys = jax.random.split(key, mc.num_layers)
-          caches = []
-          for lp, k in zip(plan.layers, layer_keys):
-            if lp.tactic in ROLLING_TACTICS:
-              kv = filled_rolling(mc, cfg.batch, cap, fill, window_cells=lp.window_cells,
-                                  tile_cells=lp.tile_cells, key=k, rand=rand)
-              caches.append(gen.serve_rolling(lp, kv))
-            else:
-              caches.append(filled_resident(mc, cfg.batch, cap, fill, k, rand))
-          caches = tuple(caches)
-        jax.block_until_ready(caches)
-        row["fill_s"] = time.perf_counter() - t1
-        step = _Stepper(model, caches, forward, schedule=cfg.schedule)
-        row["jitted"] = step.jitted
-        row["schedule"] = None if step.jitted else (cfg.schedule or rolling.DEFAULT_SCHEDULE)
-        times, dispatch, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
-        row.update(_summary(times, warmup, cfg.batch))
-        # Seconds until the step call returned (median of the timed steps): close to step_s
-        # means the host side (Python dispatch, or a wait inside the step) bounds the step.
-        row["host_s"] = float(np.median(dispatch[warmup:]))
-        log(f"rkv {name} {ctx}: {row['tokens_per_s']:.2f} tok/s "
-            f"(median step {1e3 * row['step_s']:.2f} ms, fill {row['fill_s']:.1f} s)")
+        _fill_row(cfg, mc, model, forward, name, ctx, row, memory_stats, limit, log)
       except Exception as e:  # one failing row must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"
         log(f"rkv {name} {ctx}: error: {row['error']}")
       finally:
-        del caches
-        gc.collect()
+        gc.collect()  # the row's caches are gone before the next row plans
   return rows
 
 
@@ -536,11 +1017,15 @@ def run_hf(cfg: BenchConfig, log=print,
     kv = kv_bytes(mc, cap, cfg.batch)
     for name in names:
       row: dict[str, Any] = dict(config=name, context=ctx, capacity=cap, fill=fill,
-                                 batch=cfg.batch, kv_gib=kv / GIB)
+                                 batch=cfg.batch, kv_dtype=cfg.kv_dtype_name, kv_gib=kv / GIB)
       rows.append(row)
       warmup, steps = cfg.steps_for(name)
       cache = None
       try:
+        why = hf_unsupported(cfg)
+        if why:
+          row["skipped"] = why
+          continue
         offloaded = name == "hf_offloaded"
         if offloaded:
           if not kinds:
@@ -598,15 +1083,25 @@ def _hf_child(cfg_dict: dict, path: str) -> None:
   _dump(path, out)
 
 
+def hf_unsupported(cfg: BenchConfig) -> str | None:
+  """Why the transformers rows cannot run ``cfg`` (None: they can)."""
+  if cfg.kv_dtype_name != _np_dtype(cfg.dtype).name:
+    return (f"kv_dtype={cfg.kv_dtype_name}: transformers' static and offloaded caches hold the "
+            f"model dtype ({cfg.dtype})")
+  return None
+
+
 def run_hf_isolated(cfg: BenchConfig, log=print, timeout_s: float = 420.0):
   """:func:`run_hf` in a spawned child process (the device is all the child's); returns
-  ``(rows, env)``; rows are marked skipped when torch is missing or the child fails."""
+  ``(rows, env)``; rows are marked skipped when torch is missing, the kv dtype is not the
+  model's, or the child fails."""
   names = [c for c in cfg.configs if c.startswith("hf_")]
   if not names:
     return [], {}
-  why = torch_available()
+  why = hf_unsupported(cfg) or torch_available()
   if why:
-    return [dict(config=n, context=int(c), skipped=why) for c in cfg.contexts for n in names], {}
+    return [dict(config=n, context=int(c), batch=cfg.batch, kv_dtype=cfg.kv_dtype_name,
+                 skipped=why) for c in cfg.contexts for n in names], {}
   ctx = multiprocessing.get_context("spawn")
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "hf.json")
@@ -645,28 +1140,41 @@ def run_hf_isolated(cfg: BenchConfig, log=print, timeout_s: float = 420.0):
 # ----------------------------------------------------------------------------------------------
 # The whole run, outputs
 # ----------------------------------------------------------------------------------------------
+def _group(r: dict[str, Any]) -> tuple:
+  """Rows of one context, batch and kv dtype are compared with each other."""
+  return (r["context"], r.get("batch", 1), r.get("kv_dtype"))
+
+
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """``a / b`` tokens/s for each pair of :data:`RATIOS` and context both rows measured."""
-  tps = {(r["config"], r["context"]): r.get("tokens_per_s") for r in rows}
+  """``a / b`` tokens/s for each pair of :data:`RATIOS` and (context, batch, kv dtype) both rows
+  measured."""
+  tps = {(r["config"],) + _group(r): r.get("tokens_per_s") for r in rows}
   out = []
-  for ctx in sorted({r["context"] for r in rows}):
+  for g in sorted({_group(r) for r in rows}, key=lambda g: (g[0], g[1], str(g[2]))):
     for a, b in RATIOS:
-      x, y = tps.get((a, ctx)), tps.get((b, ctx))
-      out.append(dict(context=ctx, numerator=a, denominator=b,
+      x, y = tps.get((a,) + g), tps.get((b,) + g)
+      if (a,) + g not in tps and (b,) + g not in tps:
+        continue
+      out.append(dict(context=g[0], batch=g[1], kv_dtype=g[2], numerator=a, denominator=b,
                       ratio=(x / y) if x and y else None))
   return out
 
 
-def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
+def _sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  order = {c: i for i, c in enumerate(CONFIGS)}
+  return sorted(rows, key=lambda r: (r["context"], r.get("batch", 1), str(r.get("kv_dtype")),
+                                     order.get(r["config"], 99)))
+
+
+def run(cfg: BenchConfig, log=print,
+        memory_stats: Callable[[], Mapping | None] | None = None) -> dict[str, Any]:
   """Transformers rows (child process) first, then the rkv rows; returns the JSON payload."""
   t0 = time.perf_counter()
   hf_rows, hf_env = run_hf_isolated(cfg, log=log)
-  rkv_rows = run_rkv(cfg, log=log)
+  rkv_rows = run_rkv(cfg, log=log, memory_stats=memory_stats)
   from rkv import benchmarking
   mc = model_config(cfg)
-  rows = rkv_rows + hf_rows
-  order = {c: i for i, c in enumerate(CONFIGS)}
-  rows.sort(key=lambda r: (r["context"], order.get(r["config"], 99)))
+  rows = _sort_rows(rkv_rows + hf_rows)
   return dict(benchmarking.environment(), hf=hf_env, config=dataclasses.asdict(cfg),
               model=dict(preset=mc.name, num_layers=mc.num_layers, hidden=mc.hidden_size,
                          heads=mc.num_heads, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -674,20 +1182,42 @@ def run(cfg: BenchConfig, log=print) -> dict[str, Any]:
               rows=rows, ratios=ratios(rows), wall_s=time.perf_counter() - t0)
 
 
+_RUN_KEYS = ("time", "config", "model", "hf", "wall_s")
+
+
+def merge_results(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+  """``new`` with ``old``'s rows before its own: ``rows`` holds both runs' rows (each row names
+  its batch, kv dtype and budget), ``runs`` each run's ``time``, ``config``, ``model``, ``hf``
+  and ``wall_s`` (an old file without ``runs`` counts as one run); the environment is the new
+  run's."""
+  runs = list(old.get("runs") or [{k: old.get(k) for k in _RUN_KEYS}])
+  runs.append({k: new.get(k) for k in _RUN_KEYS})
+  rows = _sort_rows(list(old.get("rows", [])) + list(new["rows"]))
+  return dict(new, rows=rows, ratios=ratios(rows), runs=runs)
+
+
 def format_table(result: dict[str, Any]) -> str:
   from rkv import benchmarking
   rows = [dict(r, step_ms=1e3 * r["step_s"] if r.get("step_s") else None,
+               bound_ms=1e3 * r["bound_s"] if r.get("bound_s") else None,
                note=r.get("skipped") or r.get("error") or r.get("hf_cache") or
                r.get("planner_mode")) for r in result["rows"]]
-  table = benchmarking.format_table(rows, ["config", "context", "kv_gib", "tokens_per_s",
-                                           "step_ms", "n_steps", "note"])
-  rat = benchmarking.format_table(result["ratios"], ["context", "numerator", "denominator",
-                                                     "ratio"])
+  table = benchmarking.format_table(rows, [
+      "config", "context", "batch", "kv_dtype", "budget", "kv_gib", "host_kv_gib",
+      "tokens_per_s", "bound_tokens_per_s", "bound_ratio", "bound_by", "step_ms", "bound_ms",
+      "n_steps", "note"])
+  rat = benchmarking.format_table(result["ratios"], ["context", "batch", "kv_dtype", "numerator",
+                                                     "denominator", "ratio"])
   return table + "\n\n" + rat
 
 
+def _line_label(r: dict[str, Any]) -> tuple:
+  return (r["config"], r.get("batch", 1), r.get("kv_dtype"), r.get("budget"))
+
+
 def write_plot(result: dict[str, Any], path: str, log=print) -> str | None:
-  """tokens/s against context, one line per configuration; None (and a message) without
+  """tokens/s against context, one line per configuration (and batch, kv dtype, budget where
+  the rows differ in them), each rkv line's bound dashed beside it; None (and a message) without
   matplotlib."""
   try:
     import matplotlib
@@ -696,17 +1226,29 @@ def write_plot(result: dict[str, Any], path: str, log=print) -> str | None:
   except ImportError as e:
     log(f"plot skipped: matplotlib not importable ({e})")
     return None
+  measured = [r for r in result["rows"] if r.get("tokens_per_s")]
+  labels = sorted({_line_label(r) for r in measured}, key=lambda x: tuple(map(str, x)))
+  # Name only what varies between the lines: the config, plus batch / dtype / budget if mixed.
+  varies = [len({lab[i] for lab in labels if lab[i] is not None}) > 1 for i in range(4)]
+  names = ("", "B=", "", "budget=")
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in CONFIGS:
-    pts = sorted((r["context"], r["tokens_per_s"]) for r in result["rows"]
-                 if r["config"] == name and r.get("tokens_per_s"))
-    if pts:
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+  for lab in labels:
+    pts = sorted((r["context"], r["tokens_per_s"]) for r in measured if _line_label(r) == lab)
+    text = " ".join([lab[0]] + [f"{names[i]}{lab[i]}" for i in range(1, 4)
+                                if varies[i] and lab[i] is not None])
+    (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=text)
+    # The row's bandwidth bound, dashed in the same colour (rkv rows).
+    bnd = sorted((r["context"], r["bound_tokens_per_s"]) for r in measured
+                 if _line_label(r) == lab and r.get("bound_tokens_per_s"))
+    if bnd:
+      ax.plot([p[0] for p in bnd], [p[1] for p in bnd], marker="x", linestyle="--",
+              color=line.get_color(), alpha=0.6, label=f"{text} bound")
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("context (tokens)")
   ax.set_ylabel("decode tokens/s (median)")
-  ax.set_title(f"{result['model']['preset']} decode, batch {result['config']['batch']}, "
+  batches = sorted({r.get("batch", 1) for r in measured}) or [result["config"]["batch"]]
+  ax.set_title(f"{result['model']['preset']} decode, batch {','.join(map(str, batches))}, "
                f"{result.get('device', '')}")
   ax.grid(True, which="both", alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
@@ -723,9 +1265,18 @@ def write_json(result: dict[str, Any], path: str) -> None:
   benchmarking.write_json(path, result)
 
 
-def main(cfg: BenchConfig, out: str, plot: str | None, log=print) -> dict[str, Any]:
-  """The one call the script makes: run, print the table, write JSON and the plot."""
-  result = run(cfg, log=log)
+def _print(msg: str) -> None:
+  print(msg, flush=True)  # progress lines of a long fill appear as they happen, even piped
+
+
+def main(cfg: BenchConfig, out: str, plot: str | None, log=_print, *, append: bool = False,
+         memory_stats: Callable[[], Mapping | None] | None = None) -> dict[str, Any]:
+  """The one call the script makes: run, print the table, write JSON (``append``: added to the
+  rows already in ``out``, :func:`merge_results`) and the plot (of everything written)."""
+  result = run(cfg, log=log, memory_stats=memory_stats)
+  if append and os.path.exists(out):
+    with open(out) as f:
+      result = merge_results(json.load(f), result)
   write_json(result, out)
   log(format_table(result))
   log(f"wrote {out}")

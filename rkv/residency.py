@@ -46,6 +46,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from rkv.cache import DEFAULT_TILE_CELLS
+from rkv.offload import stream as stream_lib
 from rkv.cache import check_kv_dtype
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,39 @@ WINDOW_ALIGN = 128
 # the H200 (benchmarks/results/rolling_overlap/rb_t16k.json, rb_t64k.json: 48-50 GB/s at 512K
 # context); 4K is unmeasured. Tiles normally land in [tile_cells / 2, tile_cells].
 DEFAULT_MIN_TILE_CELLS = 4096
-DEFAULT_RESERVE_MIB = 2048
+# The device reserve: memory the run needs beside the KV caches (and the weights, which are in
+# bytes_in_use by the time a plan reads free memory). It was a flat 2048 MiB plus two tiles; on
+# the H200 every GiB more of window saves ~9 ms per decoded token at 1M context (Llama-3-8B), so
+# it is now derived from the run (:func:`derive_reserve`), term by term:
+# - Streamed tiles in flight: the decode loop keeps up to this many tail tiles of the next layers
+#   on the device (prefetched under the current layer's compute).
+DEFAULT_PREFETCH_TILES = stream_lib.DEFAULT_PREFETCH_TILES  # layered_forward's Prefetcher
+# - The prefill chunk whose activations are live at once: rkv.generate.DEFAULT_CHUNK (residency
+#   cannot import generate, which imports it; tests/device_memory_test.py checks they agree).
+DEFAULT_CHUNK_TOKENS = 512
+# - The decode kernel's float32 partials (o, lse per split, rkv/pallas/decode_attention.py): at
+#   most DECODE_SPLITS splits per (batch, kv head) (its heuristic aims at ~4 x 132 programs in
+#   all, so 64 bounds B*K >= 8), each of max(16, G) packed query rows (the kernel pads to 16), for
+#   DECODE_LAYERS_IN_FLIGHT layers at once (a layer's partials live until its merge; the stream
+#   schedule overlaps a layer's window and tail partials with the next layer's dispatch).
+DECODE_SPLITS = 64
+DECODE_LAYERS_IN_FLIGHT = 4
+# - One prefill chunk's activations: hidden + 2 x intermediate (gate and up) + q/k/v heads per
+#   token, counted in float32 (the bf16 values and their f32 upcasts) times this factor for the
+#   fusions' temporaries and the chunk attention's partials.
+PREFILL_ACTIVATION_FACTOR = 2
+# A config without hidden_size / intermediate_size (a bare AttentionShape) gets this flat
+# allowance instead (Llama-3-8B's derived term is 152 MiB at the default chunk).
+PREFILL_FLAT_MIB = 512
+# - The logits: [B, V] float32 (decode and the last-only prefill) and one temporary of the same
+#   size (softmax / top-p sort of the sampler). A config without vocab_size counts this vocab
+#   (Gemma-3's 262,208 is the largest of the supported families).
+LOGITS_COPIES = 2
+DEFAULT_RESERVE_VOCAB = 262_208
+# - XLA/cuBLAS workspace: cuBLAS(Lt) wants up to 32 MiB a handle on Hopper, and cuDNN's and
+#   XLA's scratch for fusions and autotuned GEMMs come out of the same pool. 256 MiB is an
+#   allowance with room, not a measurement.
+XLA_WORKSPACE_MIB = 256
 POS_BYTES = 4  # int32 position per cell; every part's positions live on the device (rkv/cache.py)
 PROFILE_FORMAT = "rkv.Profile"
 # Version 2 added the optional figures transfer_overhead_us, cpu_overhead_us, hybrid_pcie_gbps
@@ -586,8 +619,13 @@ class ResidencyConfig:
   ``mode``: ``auto`` (per layer, the tactic with the lowest modeled time), ``resident`` (all on
   the device, else ValueError), ``window`` (stream the tail), ``head``, ``cpu``, ``hybrid``.
   ``vram_target_mib``: device memory the KV caches of all layers may use; 0 = all free device
-  memory minus ``reserve_mib`` (default 2048 MiB plus two streamed tiles in flight; add the
-  weights if they are not loaded yet — the planner only sees free memory).
+  memory minus the reserve (add the weights if they are not loaded yet — the planner only sees
+  free memory). ``reserve_mib``: device memory kept for everything but the caches; None = derived
+  from the run (:func:`derive_reserve`: ``prefetch_tiles`` streamed tiles in flight, the decode
+  kernel's partials, one prefill chunk of ``chunk_tokens`` tokens, the logits, XLA's workspace).
+  ``check_free``: refuse, before anything is allocated, a plan that does not fit this machine —
+  an explicit ``vram_target_mib`` whose caches plus the reserve exceed the device's free memory,
+  or a host tail above the host's available RAM (False: plan for another machine).
   ``tile_cells``: the largest host-tail tile; each layer's tile is picked so its whole tiles
   barely exceed the cells that must leave the device (:func:`tile_candidates`); a tight budget
   may shrink it to ``min_tile_cells``. Both multiples of WINDOW_ALIGN.
@@ -600,6 +638,9 @@ class ResidencyConfig:
   mode: str = "auto"
   vram_target_mib: float = 0
   reserve_mib: float | None = None
+  prefetch_tiles: int = DEFAULT_PREFETCH_TILES
+  chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+  check_free: bool = True
   tile_cells: int = DEFAULT_TILE_CELLS
   min_tile_cells: int = DEFAULT_MIN_TILE_CELLS
   min_window_cells: int = 0
@@ -626,6 +667,12 @@ class ResidencyConfig:
     _check_positive(where, "vram_target_mib", self.vram_target_mib, allow_none=False,
                     allow_zero=True)
     _check_positive(where, "reserve_mib", self.reserve_mib, allow_zero=True)
+    if not _is_int(self.prefetch_tiles) or self.prefetch_tiles < 0:
+      raise ValueError(f"{where}: prefetch_tiles must be an int >= 0, got {self.prefetch_tiles!r}")
+    if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
+      raise ValueError(f"{where}: chunk_tokens must be a positive int, got {self.chunk_tokens!r}")
+    if not isinstance(self.check_free, (bool, np.bool_)):
+      raise ValueError(f"{where}: check_free must be a bool, got {self.check_free!r}")
     for name in ("tile_cells", "min_tile_cells"):
       val = getattr(self, name)
       if not _is_int(val) or val < WINDOW_ALIGN or val % WINDOW_ALIGN:
@@ -714,6 +761,16 @@ class Plan:
   budget_bytes: int
   profile: Profile
   shape: AttentionShape
+  # How the budget was made (``vram_target_mib=...`` or free memory minus the reserve), the
+  # reserve kept beside the caches (:func:`derive_reserve`; for an explicit vram_target_mib, the
+  # one the free-memory check used) and the device's free memory at planning (None: unknown).
+  budget_source: str = ""
+  reserve: Reserve | None = None
+  free_bytes: int | None = None
+
+  @property
+  def reserve_bytes(self) -> int:
+    return 0 if self.reserve is None else self.reserve.total
 
   @property
   def fits(self) -> bool:
@@ -770,8 +827,11 @@ class Plan:
     lines = [
         f"rkv plan: context_len={self.context_len} batch={self.batch} L={s.num_layers} "
         f"K={s.num_kv_heads} D={s.head_dim} kv_dtype={self.kv_dtype} mode={self.mode}",
-        f"budget {mib(self.budget_bytes)} MiB; profile {self.profile.source or self.profile.device}"
-        f": {self.profile.describe()}",
+        f"budget {mib(self.budget_bytes)} MiB ({self.budget_source or 'vram_target_mib'}); "
+        f"reserve {mib(self.reserve_bytes)} MiB"
+        f"{'' if self.reserve is None else f' ({self.reserve.describe()})'}"
+        f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
+        f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
         fmt(cols), *(fmt(r) for r in rows), fmt(total),
         f"totals: device {mib(self.device_bytes)} MiB of {mib(self.budget_bytes)} MiB budget, "
         f"host {mib(self.host_bytes)} MiB; modeled step {us(step)} us "
@@ -937,10 +997,110 @@ def head_layout(sz: _Sizes, capacity: int, per_layer_bytes: int,
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Reserve:
+  """Device memory kept beside the KV caches, term by term: ``terms`` is ``(name, bytes, how)``
+  triples (:func:`derive_reserve`; one ``reserve_mib`` term when the config gives the figure)."""
+
+  terms: tuple[tuple[str, int, str], ...]
+
+  @property
+  def total(self) -> int:
+    return sum(b for _, b, _ in self.terms)
+
+  def bytes_of(self, name: str) -> int:
+    """One term's bytes (0 when the reserve has no such term)."""
+    return sum(b for n, b, _ in self.terms if n == name)
+
+  def describe(self) -> str:
+    return " + ".join(f"{n} {b / MIB:.1f} MiB [{how}]" for n, b, how in self.terms)
+
+
+def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
+                   prefetch_tiles: int = DEFAULT_PREFETCH_TILES,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, vocab_size: int | None = None,
+                   hidden_size: int | None = None, intermediate_size: int | None = None,
+                   tile_bytes: int | None = None) -> Reserve:
+  """The device memory a run needs beside its KV caches and weights, from what it runs:
+
+  - ``tiles``: ``prefetch_tiles`` streamed tail tiles in flight, each ``B x tile_cells`` cells of
+    all K heads (K/V and int8 scales; their positions are in the layout already). ``tile_bytes``
+    replaces one tile's bytes (a plan's largest streamed tile; 0 when nothing streams). Capped
+    like the prefetcher's own room (``rkv.offload.stream.prefetch_room``: at most
+    ``DEFAULT_PREFETCH_BYTES``, at least one tile).
+  - ``decode``: the decode kernel's float32 partials, ``B x K x DECODE_SPLITS x max(16, G) x
+    (D + 2) x 4`` bytes a layer for ``DECODE_LAYERS_IN_FLIGHT`` layers (capped at L).
+  - ``prefill``: one chunk of ``chunk_tokens`` tokens, ``B x chunk x (hidden + 2 x intermediate
+    + (H + 2K) x D) x 4 x PREFILL_ACTIVATION_FACTOR`` bytes; ``PREFILL_FLAT_MIB`` when
+    ``hidden_size`` or ``intermediate_size`` is unknown.
+  - ``logits``: ``B x vocab x 4 x LOGITS_COPIES`` (vocab ``DEFAULT_RESERVE_VOCAB`` if unknown).
+  - ``workspace``: ``XLA_WORKSPACE_MIB`` for XLA's and cuBLAS's scratch.
+
+  Llama-3-8B, B=1, bf16, 32K-cell tiles: 1024 + 16.3 + 152 + 1.0 + 256 = ~1449 MiB (the old
+  flat default was 2048 MiB plus two tiles, 2304 MiB). Not counted: an XLA (non-Pallas) prefill
+  attention that materialises ``[chunk, S]`` scores — the library's kernels do not.
+  """
+  sz = _sizes(shape, batch)
+  b, k, d, h = batch, shape.num_kv_heads, shape.head_dim, shape.query_heads
+  one_tile = b * tile_cells * sz.cell if tile_bytes is None else int(tile_bytes)
+  cap = (f", at most {stream_lib.DEFAULT_PREFETCH_BYTES / MIB:.0f} MiB"
+         if stream_lib.prefetch_room(one_tile, prefetch_tiles) < prefetch_tiles * one_tile else "")
+  how_tile = (f"{prefetch_tiles} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
+              else f"{prefetch_tiles} x {one_tile} bytes, the plan's largest streamed tile{cap}"
+              if one_tile else "nothing streams")
+  layers = min(DECODE_LAYERS_IN_FLIGHT, shape.num_layers)
+  rows = max(16, h // k)
+  decode = b * k * DECODE_SPLITS * rows * (d + 2) * 4 * layers
+  if hidden_size and intermediate_size:
+    per_token = hidden_size + 2 * intermediate_size + (h + 2 * k) * d
+    prefill = b * chunk_tokens * per_token * 4 * PREFILL_ACTIVATION_FACTOR
+    how_prefill = (f"B={b} x {chunk_tokens} tokens x ({hidden_size} + 2 x {intermediate_size} "
+                   f"+ {h + 2 * k} x {d}) x 4 x {PREFILL_ACTIVATION_FACTOR}")
+  else:
+    prefill = PREFILL_FLAT_MIB * MIB
+    how_prefill = "flat: the config has no hidden_size / intermediate_size"
+  vocab = vocab_size or DEFAULT_RESERVE_VOCAB
+  logits = b * vocab * 4 * LOGITS_COPIES
+  return Reserve(terms=(
+      ("tiles", stream_lib.prefetch_room(one_tile, prefetch_tiles), how_tile),
+      ("decode", decode, f"B={b} x K={k} x {DECODE_SPLITS} splits x {rows} rows x (D+2) x 4 x "
+                         f"{layers} layers"),
+      ("prefill", prefill, how_prefill),
+      ("logits", logits, f"B={b} x V={vocab}{'' if vocab_size else ' (default)'} x 4 x "
+                         f"{LOGITS_COPIES}"),
+      ("workspace", XLA_WORKSPACE_MIB * MIB, "XLA/cuBLAS workspace allowance")))
+
+
+def _model_sizes(model_config) -> dict:
+  """``vocab_size``, ``hidden_size``, ``intermediate_size`` of a config (None where absent)."""
+  get = ((lambda n: model_config.get(n)) if isinstance(model_config, Mapping)
+         else (lambda n: getattr(model_config, n, None)))
+  out = {}
+  for name in ("vocab_size", "hidden_size", "intermediate_size"):
+    v = get(name)
+    out[name] = int(v) if _is_int(v) and v > 0 else None
+  return out
+
+
+def resolve_reserve(cfg: ResidencyConfig, shape: AttentionShape, batch: int, model_config=None,
+                    *, tile_bytes: int | None = None, context_len: int | None = None) -> Reserve:
+  """The reserve :func:`plan` keeps: ``reserve_mib`` when given, else :func:`derive_reserve` with
+  the config's ``tile_cells`` (at most ``context_len``), ``prefetch_tiles`` and
+  ``chunk_tokens`` and the model's vocab / hidden / intermediate sizes."""
+  if cfg.reserve_mib is not None:
+    return Reserve(terms=(("reserve_mib", int(cfg.reserve_mib * MIB),
+                           f"reserve_mib={cfg.reserve_mib:g}"),))
+  tile = cfg.tile_cells if context_len is None else min(cfg.tile_cells, _floor_align(context_len))
+  return derive_reserve(shape, batch, tile_cells=tile, prefetch_tiles=cfg.prefetch_tiles,
+                        chunk_tokens=cfg.chunk_tokens, tile_bytes=tile_bytes,
+                        **_model_sizes(model_config if model_config is not None else {}))
+
+
 def kv_budget_bytes(cfg: ResidencyConfig, *, memory_stats: Mapping | None = None,
-                    batch: int = 1, cell_bytes: int = 0) -> int:
-  """The bytes the KV caches may use: ``vram_target_mib``, or (0) free device memory minus the
-  reserve (``reserve_mib``, default 2048 MiB plus two of the largest tiles streaming)."""
+                    reserve: Reserve | None = None) -> int:
+  """The bytes the KV caches may use: ``vram_target_mib``, or (0) free device memory
+  (``bytes_limit - bytes_in_use``) minus ``reserve`` (default: ``reserve_mib``, which is then
+  required; :func:`plan` passes :func:`resolve_reserve`'s)."""
   if cfg.vram_target_mib:
     return int(cfg.vram_target_mib * MIB)
   if memory_stats is None:
@@ -951,15 +1111,75 @@ def kv_budget_bytes(cfg: ResidencyConfig, *, memory_stats: Mapping | None = None
     raise ValueError(f"plan: vram_target_mib=0 means 'all free device memory', but the "
                      f"{jax.default_backend()} backend reports no memory stats: pass "
                      f"ResidencyConfig(vram_target_mib=...) in MiB")
+  if reserve is None:
+    if cfg.reserve_mib is None:
+      raise ValueError("kv_budget_bytes: vram_target_mib=0 needs the reserve: pass reserve= "
+                       "(rkv.residency.resolve_reserve) or ResidencyConfig(reserve_mib=...)")
+    reserve = Reserve(terms=(("reserve_mib", int(cfg.reserve_mib * MIB),
+                              f"reserve_mib={cfg.reserve_mib:g}"),))
   free = int(memory_stats["bytes_limit"]) - int(memory_stats.get("bytes_in_use", 0))
-  reserve = (cfg.reserve_mib * MIB if cfg.reserve_mib is not None else
-             DEFAULT_RESERVE_MIB * MIB + 2 * cfg.tile_cells * batch * cell_bytes)
-  budget = int(free - reserve)
+  budget = int(free - reserve.total)
   if budget <= 0:
+    from rkv.offload import memory
+    mem = memory.device_memory(memory_stats=memory_stats)
+    advice = f" {memory.fraction_advice(mem)}." if _short_pool(mem) else ""
     raise ValueError(f"plan: vram_target_mib=0 leaves no KV budget: free device memory "
-                     f"{free / MIB:.0f} MiB minus reserve {reserve / MIB:.0f} MiB; lower "
-                     f"reserve_mib or free device memory")
+                     f"{free / MIB:.0f} MiB (bytes_limit {mem.bytes_limit / MIB:.0f} MiB - "
+                     f"bytes_in_use {mem.bytes_in_use / MIB:.0f} MiB) minus the reserve "
+                     f"{reserve.total / MIB:.0f} MiB ({reserve.describe()}); lower reserve_mib "
+                     f"or free device memory.{advice}")
   return budget
+
+
+def _short_pool(mem) -> bool:
+  """XLA's pool may be short of the device: below LOW_FRACTION of it, or (physical size unknown)
+  the fraction was not set by rkv."""
+  from rkv.offload import memory
+  return mem.low or (mem.limit_share is None and mem.fraction_source != memory.FRACTION_RKV)
+
+
+def _streamed_tile_bytes(layers, sz: _Sizes) -> int:
+  """The largest tile a plan's layers stream to the device (0: none streams; the cpu tactic
+  attends its tail on the host)."""
+  out = 0
+  for lp in layers:
+    if lp.tactic in ("stream", "hybrid", "head") and lp.tile_cells:
+      heads = sz.heads - (lp.resident_heads or 0)
+      out = max(out, sz.batch * lp.tile_cells * heads * sz.head_cell)
+  return out
+
+
+def check_device_fit(p: Plan, cfg: ResidencyConfig, memory_stats: Mapping,
+                     worst_reserve: Reserve | None = None) -> None:
+  """Raises ``ValueError`` naming ``vram_target_mib`` when the plan's device bytes plus its
+  reserve exceed the free device memory of ``memory_stats``, with the figures (and the memory
+  fraction advice when XLA's pool may be short of the device). The target it suggests leaves
+  room for ``worst_reserve`` (default the plan's): a lower target may make a resident plan
+  stream, and streamed tiles join the reserve."""
+  from rkv.offload import memory
+  mem = memory.device_memory(memory_stats=memory_stats)
+  if mem.free is None:
+    return
+  need = p.device_bytes + p.reserve_bytes
+  if need <= mem.free:
+    return
+  room = mem.free - max(p.reserve_bytes, 0 if worst_reserve is None else worst_reserve.total)
+  lower = (f"Lower vram_target_mib to at most {room // MIB} MiB (or 0: all free device memory "
+           f"minus the reserve)" if room >= MIB else
+           "The reserve alone does not fit: free device memory first")
+  advice = f" {memory.fraction_advice(mem)}." if _short_pool(mem) else ""
+  raise ValueError(
+      f"plan: vram_target_mib={_num(cfg.vram_target_mib)} gives KV caches of "
+      f"{_fmt_bytes(p.device_bytes)} on the device; with the reserve of "
+      f"{_fmt_bytes(p.reserve_bytes)} ({p.reserve.describe()}) that is {_fmt_bytes(need)}, "
+      f"above the free device memory of {_fmt_bytes(mem.free)} (bytes_limit "
+      f"{mem.bytes_limit / MIB:.1f} MiB - bytes_in_use {mem.bytes_in_use / MIB:.1f} MiB). "
+      f"{lower}.{advice} To plan for another machine, pass ResidencyConfig(check_free=False).")
+
+
+def _num(x) -> str:
+  """A figure as the user would type it: 1048576, not 1.04858e+06."""
+  return str(int(x)) if float(x).is_integer() else f"{float(x):.6g}"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -971,9 +1191,14 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   """Places every layer's KV cache within the budget and names its tactic (module docstring).
 
   ``context_len``: cells each global layer's cache holds (prompt plus generated tokens).
-  ``memory_stats``: the device's ``memory_stats()`` for ``vram_target_mib=0`` (default: ask
-  device 0). Raises ValueError naming the argument on bad input, and naming ``vram_target_mib``
-  with the bytes needed when not even the rings and minimal windows fit.
+  ``memory_stats``: the device's ``memory_stats()`` (default: ask device 0), read for
+  ``vram_target_mib=0`` and, with ``check_free``, to check an explicit target. Raises ValueError
+  naming the argument on bad input, and naming ``vram_target_mib`` with the bytes needed when not
+  even the rings and minimal windows fit, or (``check_free``) when the plan's device bytes plus
+  the reserve exceed the free device memory (:func:`check_device_fit`); a host tail above the
+  pinned pool (:func:`rkv.offload.memory.check_host_pool`) or, with ``check_free``, the host's
+  available RAM (:func:`rkv.offload.memory.check_host_memory`) is refused too. The reserve and
+  how it was made are logged and kept in ``Plan.reserve``.
   """
   cfg = ResidencyConfig() if residency is None else residency
   if not isinstance(cfg, ResidencyConfig):
@@ -984,9 +1209,45 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   shape = attention_shape(model_config, cfg.kv_dtype)
   profile = cfg.resolve_profile()
   sz = _sizes(shape, batch)
-  budget = kv_budget_bytes(cfg, memory_stats=memory_stats, batch=batch, cell_bytes=sz.cell)
-  budget_src = (f"vram_target_mib={cfg.vram_target_mib:g}" if cfg.vram_target_mib else
-                "vram_target_mib=0 (free device memory minus the reserve)")
+  from rkv.offload import memory
+  explicit = bool(cfg.vram_target_mib)
+  stats = memory_stats
+  if stats is None and (not explicit or cfg.check_free):
+    import jax
+    stats = jax.devices()[0].memory_stats()
+    if stats:
+      memory.check_memory_fraction("plan", memory_stats=stats)
+  has_stats = bool(stats) and "bytes_limit" in stats
+  free = (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))) if has_stats else None
+  # vram_target_mib=0: the budget is free memory minus the reserve, so the reserve comes first
+  # (tiles of tile_cells, the most any layer streams). An explicit target: the reserve is that
+  # of the plan made (its largest streamed tile), and the plan is checked against free memory.
+  reserve = None if explicit else resolve_reserve(cfg, shape, batch, model_config,
+                                                  context_len=context_len)
+  budget = kv_budget_bytes(cfg, memory_stats=stats, reserve=reserve)
+  budget_src = (f"vram_target_mib={_num(cfg.vram_target_mib)}" if explicit else
+                "vram_target_mib=0: free device memory minus the reserve")
+  if reserve is not None:
+    log.info("plan: budget %s = free %s - reserve %s (%s)", _fmt_bytes(budget), _fmt_bytes(free),
+             _fmt_bytes(reserve.total), reserve.describe())
+
+  def finish(layers) -> Plan:
+    res = reserve
+    if res is None:
+      res = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
+                            tile_bytes=_streamed_tile_bytes(layers, sz))
+      log.info("plan: %s; reserve %s (%s)%s", budget_src, _fmt_bytes(res.total), res.describe(),
+               "" if free is None else f"; device free {_fmt_bytes(free)}")
+    result = Plan(layers=tuple(layers), context_len=context_len, batch=batch, mode=cfg.mode,
+                  kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape,
+                  budget_source=budget_src, reserve=res, free_bytes=free)
+    memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
+    if cfg.check_free:
+      if explicit and has_stats:
+        check_device_fit(result, cfg, stats, resolve_reserve(cfg, shape, batch, model_config,
+                                                             context_len=context_len))
+      memory.check_host_memory(result.host_bytes, where="plan", argument="context_len")
+    return result
   q_itemsize = 4 if shape.kv_dtype == "float32" else 2
   copy_s = partial_copy_time(profile, batch=batch, num_heads=shape.query_heads,
                              head_dim=shape.head_dim, q_itemsize=q_itemsize)
@@ -1010,8 +1271,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     layers = tuple(resident_layer(i, ring.get(i, context_len)) for i in range(shape.num_layers))
     log.info("plan: the whole cache fits (%s of %s): every layer resident",
              _fmt_bytes(need_resident), _fmt_bytes(budget))
-    return Plan(layers=layers, context_len=context_len, batch=batch, mode=cfg.mode,
-                kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape)
+    return finish(layers)
   if cfg.mode == "resident":
     raise ValueError(f"plan: mode='resident' needs {_fmt_bytes(need_resident)} of device memory "
                      f"for the KV cache, but {budget_src} gives {_fmt_bytes(budget)}: raise "
@@ -1040,6 +1300,13 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   log.info("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
            "profile %s: %s", len(glob), _fmt_bytes(budget), _fmt_bytes(ring_bytes),
            _fmt_bytes(per_layer), profile.source or profile.device, profile.describe())
+  # With a prefetcher (layered_forward's, prefetch_tiles > 0) a layer's streamed tiles are
+  # requested while the layers before it run, so the per-stream fixed cost (0.79 ms on the H200,
+  # the request and first-tile latency) is paid under other work, not once per layer: the
+  # stream and hybrid times are modeled without it. The head tactic's rolled heads stream inside
+  # their own call (no prefetch), so its time keeps it.
+  stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
+                    else profile)
   layers = []
   for i in range(shape.num_layers):
     if i in ring:
@@ -1047,9 +1314,11 @@ def plan(model_config, context_len: int, batch: int = 1, *,
       continue
     tile_bytes = batch * win.tile * sz.cell if win is not None else None
     if win is not None:
-      mt = modeled_times(win.device_read, win.host_read, profile, partial_copy_s=copy_s,
+      mt = modeled_times(win.device_read, win.host_read, stream_profile, partial_copy_s=copy_s,
                          tile_bytes=tile_bytes,
-                         head_bytes=None if heads is None else (heads.device_read, heads.host_read))
+                         head_bytes=None)
+      if heads is not None:
+        mt = dataclasses.replace(mt, head=head_time(heads.device_read, heads.host_read, profile))
     else:
       mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
                         head=head_time(heads.device_read, heads.host_read, profile))
@@ -1070,8 +1339,4 @@ def plan(model_config, context_len: int, batch: int = 1, *,
         resident_heads=lay.resident_heads if tactic == "head" else None,
         device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, times=times,
         hybrid_fraction=mt.hybrid_fraction))
-  result = Plan(layers=tuple(layers), context_len=context_len, batch=batch, mode=cfg.mode,
-                kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape)
-  from rkv.offload import memory
-  memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
-  return result
+  return finish(layers)

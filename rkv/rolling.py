@@ -95,6 +95,15 @@ def _tiles(kv: cache_lib.RollingKV, n: int, staged=None) -> tuple[stream.Tile, .
   return tuple(staged[:m]) + host[m:]
 
 
+def _all_staged(tiles) -> bool:
+  """Every tile already on the device (a prefetcher requested them): nothing is left to overlap,
+  so the device partials and their merge run as one jitted program (the unrolled schedule, whose
+  in-program moves are no-ops on device arrays) instead of one dispatch per partial: on the H200
+  the eager dispatches of a 128K half-offloaded hybrid layer took 1.8 ms of host time
+  (decode_trace_h200_prefetch.json), the host being that row's bottleneck."""
+  return bool(tiles) and all(stream.on_device(t) for t in tiles)
+
+
 def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int:
   """How many of ``n_tiles`` full tail tiles ``tactic`` streams: all for ``stream``, none for
   ``cpu``, the first ``n - floor(cpu_fraction * n + 0.5)`` for ``hybrid`` (the others go to the
@@ -289,7 +298,7 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
     return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
                           cpu_threads=cpu_threads, staged=staged)
   tiles = _tiles(kv, n_tiles, staged)
-  if schedule == "eager" and not _tracing(q, q_pos, kv):
+  if schedule == "eager" and not _tracing(q, q_pos, kv) and not _all_staged(tiles):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
                    partial_fn=_partial_jit, **static)
   return _unrolled(q, q_pos, kv.window, kv.staging, tiles, **static)
@@ -313,20 +322,22 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   device = None
   try:
     if n_stream or static["use_window"] or static["use_staging"]:
-      tiles = _tiles(kv, n_stream, staged)
-      if schedule == "eager":
-        device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                         partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
-      else:
-        device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
-                           **static)
+      with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
+        tiles = _tiles(kv, n_stream, staged)
+        if schedule == "eager" and not _all_staged(tiles):
+          device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
+                           partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+        else:
+          device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
+                             **static)
   finally:
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
-  cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
-  parts = [cpu_part] if device is None else [device, cpu_part]
-  return stream._merge_jit(parts, out_dtype=q.dtype)
+  with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
+    cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
+    parts = [cpu_part] if device is None else [device, cpu_part]
+    return stream._merge_jit(parts, out_dtype=q.dtype)
 
 
 def lower(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,

@@ -2,9 +2,14 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from rkv import decode_bench
+
+ROW_FIELDS = {"config", "context", "batch", "kv_dtype", "tokens_per_s", "bound_tokens_per_s",
+              "bound_s", "bound_ratio", "device_bytes", "tail_bytes", "hbm_gbps", "link_gbps",
+              "bound_by"}
 
 TINY = dict(preset="tiny-llama", dtype="float32", contexts=(512,), warmup=1, steps=2,
             offload_warmup=1, offload_steps=2, tile_cells=128, min_tile_cells=128, margin_gib=0.0)
@@ -28,6 +33,17 @@ def test_rkv_rows_and_outputs(tmp_path):
   assert "rkv_resident" in decode_bench.format_table(result)
   assert rows["rkv_offload"]["schedule"] == "eager" and rows["rkv_resident"]["schedule"] is None
   assert 0 < rows["rkv_offload"]["host_s"] <= rows["rkv_offload"]["step_max_s"]
+  # Every rkv row carries the issue's fields and its bound.
+  for name in ("rkv_resident", "rkv_offload"):
+    r = rows[name]
+    assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+    assert r["batch"] == 1 and r["kv_dtype"] == "float32"
+    assert r["bound_tokens_per_s"] == pytest.approx(1 / r["bound_s"])
+    assert r["bound_ratio"] == pytest.approx(r["step_s"] / r["bound_s"])
+    assert r["device_bytes"] > decode_bench.weight_read_bytes(decode_bench.model_config(cfg))
+  assert rows["rkv_resident"]["tail_bytes"] == 0 and rows["rkv_resident"]["link_gbps"] == {}
+  assert rows["rkv_offload"]["tail_bytes"] > 0 and rows["rkv_offload"]["budget"] == "fraction"
+  assert set(rows["rkv_offload"]["link_gbps"]) <= {"stream", "cpu", "hybrid"}
 
 
 def test_unrolled_schedule_row():
@@ -37,8 +53,11 @@ def test_unrolled_schedule_row():
 
 
 def test_schedules_match_rolling():
-  from rkv import rolling
+  from rkv import cache, rolling
+  from rkv.models import kv
   assert decode_bench.SCHEDULES == rolling.SCHEDULES
+  assert decode_bench.KV_DTYPES == cache.KV_DTYPES
+  assert decode_bench.ROLLING_TACTICS == kv.ROLLING_TACTICS
   with pytest.raises(ValueError, match="schedule"):
     decode_bench.BenchConfig(schedule="scan")
 
@@ -47,11 +66,42 @@ def test_filled_rolling_holds_the_context():
   import jax
   from rkv.models import ModelConfig
   mc = ModelConfig.preset("tiny-llama")
+  # A window of 128 generated in chunks of 48 (the last one overlapping): all cells written.
   kv = decode_bench.filled_rolling(mc, 1, 300, 290, window_cells=128, tile_cells=64,
-                                   key=jax.random.key(0), rand=decode_bench._rand_fn())
+                                   key=jax.random.key(0), chunk_cells=48)
   assert kv.fill == 290 and kv.n_full_tiles == 2 and kv.n_staged == 34
   cells = kv.cells()
   assert (cells["pos"][0] == range(290)).all()
+  assert (np.abs(cells["k"][0]).sum(axis=(1, 2)) > 0).all()  # no cell left unwritten
+
+
+def test_filled_rolling_int8_batch2():
+  import jax
+  from rkv.cache import memory_kinds
+  from rkv.models import ModelConfig
+  mc = ModelConfig.preset("tiny-llama")
+  kv = decode_bench.filled_rolling(mc, 2, 300, 290, window_cells=128, tile_cells=64,
+                                   key=jax.random.key(1), kv_dtype="int8")
+  assert kv.quantized and kv.dtype == np.int8 and kv.batch == 2
+  kinds = memory_kinds(kv)
+  for name in ("k", "v", "k_scale", "v_scale"):
+    assert kinds[f"tail.{name}[0]"] == "pinned_host" and kinds[f"window.{name}"] == "device"
+  cells = kv.cells()
+  for b in range(2):  # positions per batch row
+    assert (cells["pos"][b] == range(290)).all()
+  assert cells["k_scale"].shape == (2, 290, mc.num_kv_heads) and (cells["k_scale"] > 0).all()
+  # The traffic of the bound is the cache's own: the full tiles' bytes, window + staging.
+  cell = decode_bench.kv_cell_bytes(mc, "int8")
+  lt = decode_bench.layer_traffic("stream", capacity=300, window_cells=128, tile_cells=64,
+                                  fill=290, batch=2, cell_bytes=cell)
+  tail = sum(x.nbytes for t in kv.tail_tiles[:kv.n_full_tiles]
+             for x in (t.k, t.v, t.k_scale, t.v_scale))
+  assert lt.tail_bytes == tail
+  assert lt.device_bytes == kv.nbytes("window") + kv.nbytes("staging")
+  # W = capacity: how an int8 layer is resident (no tail, no staging).
+  res = decode_bench.filled_rolling(mc, 1, 300, 290, window_cells=300, tile_cells=64,
+                                    key=jax.random.key(2), kv_dtype="int8")
+  assert res.n_tail_tiles == 0 and res.nbytes("staging") == 0 and res.fill == 290
 
 
 def test_resident_skipped_when_it_does_not_fit():
@@ -66,6 +116,22 @@ def test_ratios():
           dict(config="rkv_offload", context=8, skipped="x")]
   r = {(x["numerator"], x["context"]): x["ratio"] for x in decode_bench.ratios(rows)}
   assert r[("rkv_resident", 8)] == 1.5 and r[("rkv_offload", 8)] is None
+  # Rows of another batch are not compared with these.
+  rows.append(dict(config="hf_static", context=8, batch=4, tokens_per_s=10.0))
+  r = {(x["numerator"], x["batch"]): x["ratio"] for x in decode_bench.ratios(rows)}
+  assert r[("rkv_resident", 1)] == 1.5 and r[("rkv_resident", 4)] is None
+
+
+def test_merge_results_appends_runs():
+  a = dict(time="t0", config=dict(batch=1), model={}, hf={}, wall_s=1.0,
+           rows=[dict(config="rkv_offload", context=8, batch=1, tokens_per_s=2.0)])
+  b = dict(time="t1", config=dict(batch=8), model={}, hf={}, wall_s=2.0, device="X",
+           rows=[dict(config="rkv_offload", context=8, batch=8, tokens_per_s=9.0)])
+  m = decode_bench.merge_results(a, b)
+  assert [r["batch"] for r in m["rows"]] == [1, 8] and m["device"] == "X"
+  assert [r["time"] for r in m["runs"]] == ["t0", "t1"]
+  m2 = decode_bench.merge_results(m, b)
+  assert len(m2["runs"]) == 3 and len(m2["rows"]) == 3
 
 
 _NO_TORCH = decode_bench.torch_available()
@@ -94,3 +160,171 @@ def test_capacity_is_the_context_and_fill_leaves_room_for_the_steps():
   assert cfg.decode_steps == 3 and cfg.capacity(512) == 512 and cfg.fill(512) == 509
   with pytest.raises(ValueError, match="decode steps"):
     decode_bench.BenchConfig(**dict(TINY, contexts=(3,)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Beyond HBM: the bound, budget="auto", int8, batch > 1, the checks before a fill
+# ----------------------------------------------------------------------------------------------
+def test_step_bound_arithmetic():
+  sb = decode_bench.step_bound
+  # Resident: no tail, the device bytes over HBM.
+  r = sb(8e9, 4000.0)
+  assert r["bound_s"] == pytest.approx(2e-3) and r["tail_s"] == 0 and r["bound_by"] == "device"
+  # Stream: 200 MB over 50 GB/s = 4 ms beats 8 GB over 4 TB/s = 2 ms.
+  r = sb(8e9, 4000.0, [(200e6, 50.0)])
+  assert r["bound_s"] == pytest.approx(4e-3) and r["bound_by"] == "tail"
+  # Layers run one after another: their tail times add (2 ms + 1 ms); a 0-byte tail needs no rate.
+  r = sb(4e9, 4000.0, [(100e6, 50.0), (100e6, 100.0), (0, None)])
+  assert r["tail_s"] == pytest.approx(3e-3) and r["device_s"] == pytest.approx(1e-3)
+  with pytest.raises(ValueError, match="rate"):
+    sb(1e9, 4000.0, [(1e6, None)])
+  with pytest.raises(ValueError, match="hbm_gbps"):
+    sb(1e9, 0.0)
+
+
+def test_link_rates_and_bound_fields():
+  from rkv.residency import Profile
+  prof = Profile(pcie_gbps=50.0, d2h_gbps=50.0, hbm_gbps=4000.0, cpu_attn_gbps=80.0,
+                 host_read_gbps=100.0, hybrid_pcie_gbps=40.0, hybrid_cpu_gbps=60.0)
+  rates = decode_bench.link_rates_gbps(prof)
+  # hybrid: both sides at their contended rates at once, 40 + 60.
+  assert rates == pytest.approx(dict(stream=50.0, cpu=80.0, hybrid=100.0))
+  # cpu_attn above host_read: the CPU rate is capped by host reads (rkv.residency.cpu_rate).
+  assert decode_bench.link_rates_gbps(prof.replace(cpu_attn_gbps=150.0))["cpu"] == 100.0
+  LT = decode_bench.LayerTraffic
+  layers = [LT("resident", 1e9, 0), LT("stream", 1e9, 100e6), LT("hybrid", 1e9, 300e6),
+            LT("cpu", 1e9, 160e6)]
+  f = decode_bench.bound_fields(layers, 4e9, 4000.0, rates, batch=2)
+  # device: (4 + 4 x 1) GB / 4 TB/s = 2 ms; tail: 2 + 3 + 2 ms = 7 ms.
+  assert f["device_bytes"] == 8e9 and f["tail_bytes"] == 560e6
+  assert f["device_s"] == pytest.approx(2e-3) and f["tail_s"] == pytest.approx(7e-3)
+  assert f["bound_s"] == pytest.approx(7e-3) and f["bound_tokens_per_s"] == pytest.approx(2 / 7e-3)
+  assert f["link_gbps"] == pytest.approx(dict(cpu=80.0, hybrid=100.0, stream=50.0))
+  with pytest.raises(ValueError, match="link rate"):
+    decode_bench.bound_fields(layers, 0, 4000.0, dict(rates, cpu=None), batch=1)
+  # Bytes of a layer: resident = the whole cache; rolling = window + staging on the device and
+  # the full tiles at the fill (1000 - 300 = 700 cells: 5 tiles of 128, 60 staged).
+  tr = lambda tactic, w: decode_bench.layer_traffic(tactic, capacity=1024, window_cells=w,
+                                                    tile_cells=128, fill=1000, batch=2,
+                                                    cell_bytes=10)
+  assert tr("resident", 1024) == LT("resident", 2 * 1024 * 10, 0)
+  assert tr("stream", 300) == LT("stream", 2 * (300 + 128) * 10, 2 * 5 * 128 * 10)
+
+
+def test_check_fill():
+  kw = dict(device_bytes=10 * decode_bench.GIB, transient_bytes=decode_bench.GIB, host_bytes=0,
+            host_available=None, host_fraction=0.85, what="row")
+  decode_bench.check_fill(free_device=None, **kw)  # no stats: no check
+  decode_bench.check_fill(free_device=11 * decode_bench.GIB, **kw)
+  with pytest.raises(ValueError, match=r"needs 11.00 GiB .* 10.50 GiB is free"):
+    decode_bench.check_fill(free_device=int(10.5 * decode_bench.GIB), **kw)
+  with pytest.raises(ValueError, match="host tail needs 9.00 GiB"):
+    decode_bench.check_fill(**dict(kw, host_bytes=9 * decode_bench.GIB,
+                                   host_available=10 * decode_bench.GIB), free_device=None)
+
+
+def test_int8_rows_with_a_tail():
+  cfg = decode_bench.BenchConfig(configs=("rkv_resident", "rkv_offload"), kv_dtype="int8",
+                                 **dict(TINY, contexts=(384, 512)))
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None)
+  assert [(r["config"], r["context"]) for r in rows] == [
+      ("rkv_resident", 384), ("rkv_offload", 384), ("rkv_resident", 512), ("rkv_offload", 512)]
+  for r in rows:
+    assert r.get("tokens_per_s", 0) > 0 and r["kv_dtype"] == "int8", r
+    assert ROW_FIELDS <= set(r)
+    assert not r["jitted"]  # int8 layers are RollingKVs, attended eagerly
+  off = [r for r in rows if r["config"] == "rkv_offload"]
+  assert all(r["host_kv_gib"] > 0 and r["tail_bytes"] > 0 for r in off)
+  assert all("resident_as" in r and r["tail_bytes"] == 0 for r in rows
+             if r["config"] == "rkv_resident")
+
+
+def test_batch2_rows():
+  cfg = decode_bench.BenchConfig(configs=("rkv_resident", "rkv_offload"), batch=2, **TINY)
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None)
+  for r in rows:
+    assert r.get("tokens_per_s", 0) > 0 and r["batch"] == 2, r
+    assert r["bound_tokens_per_s"] == pytest.approx(2 / r["bound_s"])
+  assert rows[0]["jitted"] and rows[1]["tail_bytes"] > 0
+
+
+def _fake_stats(free_bytes):
+  return lambda: dict(bytes_limit=free_bytes + 1000, bytes_in_use=1000)
+
+
+def test_budget_auto_with_injected_memory_stats():
+  # CPU reports no memory stats: inject them. Free memory = reserve + half the KV.
+  mc = decode_bench.model_config(decode_bench.BenchConfig(**TINY))
+  kv = decode_bench.kv_bytes(mc, 512, 1)
+  reserve_mib = 1.0
+  free = int(reserve_mib * decode_bench.MIB) + kv // 2
+  logs = []
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), budget="auto",
+                                 reserve_mib=reserve_mib, fill_log_every=1, **TINY)
+  rows = decode_bench.run_rkv(cfg, log=logs.append, memory_stats=_fake_stats(free))
+  r = rows[0]
+  assert r.get("tokens_per_s", 0) > 0, r
+  assert r["budget"] == "auto" and r["vram_target_mib"] == 0
+  assert r["budget_gib"] * decode_bench.GIB == pytest.approx(kv // 2)
+  assert r["free_device_gib"] * decode_bench.GIB == pytest.approx(free)
+  assert r["host_kv_gib"] > 0 and r["device_kv_gib"] * decode_bench.GIB <= kv // 2
+  assert sum("fill layer" in m for m in logs) == mc.num_layers  # a line per layer here
+
+
+def test_budget_auto_without_memory_stats_is_a_row_error():
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), budget="auto", **TINY)
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None, memory_stats=lambda: None)
+  assert "memory stats" in rows[0]["error"], rows[0]
+
+
+def test_fill_refused_before_running_out_of_device_memory():
+  # 10 GiB of device, all but 1 KiB in use: the resident caches fit the device (the skip check)
+  # but not its free memory.
+  gib = decode_bench.GIB
+  stats = lambda: dict(bytes_limit=10 * gib, bytes_in_use=10 * gib - 1024)
+  cfg = decode_bench.BenchConfig(configs=("rkv_resident", "rkv_offload"), **TINY)
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None, memory_stats=stats)
+  res, off = rows
+  assert res["error"].startswith("ValueError"), res
+  assert "is free" in res["error"] and "skipped" not in res, res
+  assert res["bound_s"] > 0 and res["tokens_per_s"] is None  # the bound is there anyway
+  # rkv_offload: refused too (by this check, or by a planner that checks free memory itself).
+  assert off["error"].startswith("ValueError") and "free" in off["error"], off
+
+
+def test_config_checks_and_hf_skip_for_int8():
+  with pytest.raises(ValueError, match="budget"):
+    decode_bench.BenchConfig(budget="all")
+  with pytest.raises(ValueError, match="budget"):
+    decode_bench.BenchConfig(budget="auto", offload_mode="force")
+  with pytest.raises(ValueError, match="kv_dtype"):
+    decode_bench.BenchConfig(kv_dtype="int4")
+  cfg = decode_bench.BenchConfig(configs=("hf_static",), kv_dtype="int8", **TINY)
+  assert cfg.kv_dtype_name == "int8"
+  assert decode_bench.BenchConfig(**TINY).kv_dtype_name == "float32"
+  rows, _ = decode_bench.run_hf_isolated(cfg, log=lambda m: None)
+  assert "kv_dtype=int8" in rows[0]["skipped"] and rows[0]["kv_dtype"] == "int8"
+
+
+@pytest.mark.parametrize("tactic", ["cpu", "hybrid"])
+def test_host_tactic_layers_int8_batch2(tactic):
+  # The tiny planner always streams: force the host-kernel tactics to run the fill's int8 tails
+  # through them with two batch rows.
+  import jax
+  from flax import nnx
+  from rkv import generate as gen
+  from rkv.generate import _Stepper
+  from rkv.models import Transformer
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), kv_dtype="int8", batch=2, **TINY)
+  mc = decode_bench.model_config(cfg)
+  plan, _ = decode_bench._offload_plan(cfg, mc, 512)
+  plan = gen.force_tactic(plan, tactic, window_cells=128, tile_cells=128)
+  caches = decode_bench.build_caches(cfg, mc, 512, jax.random.key(0), plan, log=lambda m: None)
+  assert all(c.tactic == tactic and c.kv.quantized and c.kv.n_full_tiles == 2 for c in caches)
+  model = Transformer(mc, rngs=nnx.Rngs(0))
+  step = _Stepper(model, caches, None)
+  times, _, caches = decode_bench._decode_rkv(step, caches, cfg.fill(512), 0, 2, 2)
+  assert len(times) == 2 and caches[0].fill == cfg.fill(512) + 2
+  b = decode_bench.plan_bound(plan, mc, cfg.fill(512))
+  assert set(b["link_gbps"]) == {tactic} and b["tail_bytes"] == 2 * mc.num_layers * (
+      2 * 128 * decode_bench.kv_cell_bytes(mc, "int8"))

@@ -174,18 +174,23 @@ def test_free_memory_budget():
   stats = dict(bytes_limit=100 * MIB, bytes_in_use=30 * MIB)
   c = ResidencyConfig(vram_target_mib=0, reserve_mib=20, profile=FLAT)
   assert rz.kv_budget_bytes(c, memory_stats=stats) == 50 * MIB
-  # Default reserve: 2048 MiB plus two of the largest tiles.
+  # Default reserve: derived from the run (tests/device_memory_test.py checks the terms).
   big = dict(bytes_limit=10_000 * MIB, bytes_in_use=0)
   c = ResidencyConfig(profile=FLAT)
-  assert rz.kv_budget_bytes(c, memory_stats=big, batch=1, cell_bytes=CELL) == (
-      10_000 * MIB - 2048 * MIB - 2 * c.tile_cells * CELL)
+  res = rz.resolve_reserve(c, shape(), 1)
+  assert rz.kv_budget_bytes(c, memory_stats=big, reserve=res) == 10_000 * MIB - res.total
+  p = rz.plan(shape(), CTX, 1, residency=c, memory_stats=big)
+  assert p.budget_bytes == 10_000 * MIB - p.reserve_bytes
+  assert p.reserve == rz.resolve_reserve(c, shape(), 1, context_len=CTX)
   p = rz.plan(shape(), CTX, 1, residency=ResidencyConfig(reserve_mib=20, profile=FLAT),
               memory_stats=stats)
-  assert p.fits and p.budget_bytes == 50 * MIB
+  assert p.fits and p.budget_bytes == 50 * MIB and p.reserve_bytes == 20 * MIB
   with pytest.raises(ValueError, match="vram_target_mib=0"):
     rz.kv_budget_bytes(ResidencyConfig(reserve_mib=200), memory_stats=stats)
-  with pytest.raises(ValueError, match="vram_target_mib"):
+  with pytest.raises(ValueError, match="vram_target_mib.*no memory stats"):
     rz.kv_budget_bytes(ResidencyConfig(), memory_stats={})
+  with pytest.raises(ValueError, match="vram_target_mib=0 needs the reserve"):
+    rz.kv_budget_bytes(ResidencyConfig(), memory_stats=big)
 
 
 def test_host_pool_limit(monkeypatch):

@@ -222,7 +222,8 @@ def _(cache: RingCache, q, k, v, positions, *, window, softcap, scale, impl):
 def _append_then_attend(cache, data, q, k, v, positions, *, tactic, cpu_fraction=None, **kw):
   """The rolling caches' one step: append this chunk's cells, then ``rolling_attention`` over
   ``data(new cache)`` (the cache itself, or a TacticKV's RollingKV) with ``tactic``."""
-  new = cache.append(k, v, positions)
+  with jax.profiler.TraceAnnotation("rkv.append"):
+    new = cache.append(k, v, positions)
   o, _ = rolling_attention(q, data(new), q_pos=positions, causal=True, tactic=tactic,
                            cpu_fraction=cpu_fraction, **kw)
   return o, new

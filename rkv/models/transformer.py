@@ -442,7 +442,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       if isinstance(cache, kv_lib.ResidentCache):  # a RingCache too
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
-        q, k, v = pre(leaves, x, rope_cs)
+        with jax.profiler.TraceAnnotation("rkv.layer.pre"):
+          q, k, v = pre(leaves, x, rope_cs)
         kw = attn_kw[i]
         tiles = kv_lib.streamed_tiles(cache) if prefetcher is not None else ()
         if tiles:
@@ -451,7 +452,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
           o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
         if tiles:
           prefetcher.consumed(o)
-        x = post(leaves, x, o)
+        with jax.profiler.TraceAnnotation("rkv.layer.post"):
+          x = post(leaves, x, o)
       new_caches.append(cache)
     new_caches = tuple(new_caches)
     plan_prefetch(new_caches)  # the next step's first tiles start moving now

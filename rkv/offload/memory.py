@@ -49,16 +49,32 @@ What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIG
 The pinned-host pool: XLA's GPU client caps pinned host memory at 64 GiB unless
 ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set *before JAX starts* (it is read once, when the GPU
 backend is created). :func:`check_host_pool` refuses a tail that would not fit, with that advice.
+
+The device pool: XLA's GPU client takes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device (JAX's
+default 0.75: 105 GiB of the H200's 140 GiB), also read once at start. ``import rkv`` sets it to
+:data:`DEFAULT_DEVICE_MEM_FRACTION` when it still can (:mod:`rkv._env`); :func:`device_memory`
+reports the pool and what happened, :func:`check_memory_fraction` warns when the pool is short of
+the device, and :func:`host_memory` reads the host's RAM for the planner's host check.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import dataclasses
+import functools
+import logging
 import os
 import re
 
 import jax
 from jax.sharding import SingleDeviceSharding
+
+from rkv import _env
+from rkv._env import (DEFAULT_DEVICE_MEM_FRACTION, FRACTION_RKV, FRACTION_TOO_LATE, FRACTION_USER,
+                      MEM_FRACTION_ENV, MEM_FRACTION_ENV_NEW)
+
+log = logging.getLogger(__name__)
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
@@ -121,6 +137,213 @@ def check_host_pool(tail_bytes: int, *, where: str, argument: str = "capacity") 
         f"pinned-host pool of {limit / _GIB:.0f} GiB. Set {HOST_POOL_ENV}={need} (or more) in the "
         f"environment before JAX starts (before the first jax call in the process), or shrink the "
         f"tail (larger window_cells, smaller {argument}, int8 KV).")
+
+
+# ----------------------------------------------------------------------------------------------
+# Device memory: XLA's pool, the device, the fraction
+# ----------------------------------------------------------------------------------------------
+# A pool below this share of the device is worth a warning: the default 0.75 is, rkv's 0.98 or a
+# user's 0.95 (133 of 140 GiB on the H200) are not.
+LOW_FRACTION = 0.9
+JAX_DEFAULT_MEM_FRACTION = 0.75  # xla_client's default when the variable is unset
+
+
+def fraction_source() -> str | None:
+  """What ``import rkv`` did about ``XLA_PYTHON_CLIENT_MEM_FRACTION``: :data:`FRACTION_RKV`,
+  :data:`FRACTION_USER`, :data:`FRACTION_TOO_LATE` (jax's backend existed first), or None (rkv's
+  package ``__init__`` has not run the helper)."""
+  return _env.fraction_source
+
+
+def _env_fraction() -> str | None:
+  for name in (MEM_FRACTION_ENV, MEM_FRACTION_ENV_NEW):
+    raw = os.environ.get(name, "").strip()
+    if raw:
+      return f"{name}={raw}"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_total_bytes(ordinal: int) -> int | None:
+  # memory_stats() has no physical size (its keys on the H200: num_allocs, bytes_in_use,
+  # peak_bytes_in_use, largest_alloc_size, bytes_limit, bytes_reserved, peak_bytes_reserved,
+  # largest_free_block_bytes, pool_bytes, peak_pool_bytes). The driver's cuDeviceTotalMem needs
+  # no context and allocates nothing (150,109,880,320 bytes on the H200); libcuda is loaded
+  # already by JAX's CUDA plugin.
+  try:
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, total = ctypes.c_int(), ctypes.c_size_t()
+    if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(dev), ordinal):
+      return None
+    if cu.cuDeviceTotalMem_v2(ctypes.byref(total), dev):
+      return None
+    return int(total.value) or None
+  except (OSError, AttributeError):
+    return None
+
+
+def physical_device_bytes(device: jax.Device | None = None) -> int | None:
+  """The device's physical memory in bytes, where it can be read (an NVIDIA GPU, through the CUDA
+  driver); None elsewhere (CPU, other accelerators)."""
+  device = device or default_device()
+  if device.platform != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
+    return None
+  return _cuda_total_bytes(int(device.local_hardware_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+  """XLA's pool on one device. ``bytes_limit`` / ``bytes_in_use``: from ``memory_stats()`` (None
+  where the backend reports none, e.g. CPU); ``physical_bytes``: the device's memory (None where
+  unknown); ``fraction_source``: what ``import rkv`` did (:func:`fraction_source`);
+  ``fraction_env``: the variable as set now (``NAME=value``, None: unset, JAX's 0.75)."""
+
+  device: str
+  bytes_limit: int | None
+  bytes_in_use: int | None
+  physical_bytes: int | None = None
+  fraction_source: str | None = None
+  fraction_env: str | None = None
+
+  @property
+  def free(self) -> int | None:
+    """``bytes_limit - bytes_in_use``: what new buffers may still take (None: unknown)."""
+    if self.bytes_limit is None:
+      return None
+    return self.bytes_limit - (self.bytes_in_use or 0)
+
+  @property
+  def limit_share(self) -> float | None:
+    """``bytes_limit / physical_bytes`` (None: either unknown)."""
+    if not self.bytes_limit or not self.physical_bytes:
+      return None
+    return self.bytes_limit / self.physical_bytes
+
+  @property
+  def low(self) -> bool:
+    """The pool is below :data:`LOW_FRACTION` of the device (False when unknown)."""
+    share = self.limit_share
+    return share is not None and share < LOW_FRACTION
+
+  def describe(self) -> str:
+    gib = lambda b: "?" if b is None else f"{b / _GIB:.1f} GiB"
+    if self.bytes_limit is None:
+      return f"{self.device}: no memory stats"
+    share = self.limit_share
+    of = "" if share is None else f" ({share:.0%} of {gib(self.physical_bytes)} physical)"
+    return (f"{self.device}: bytes_limit {gib(self.bytes_limit)}{of}, in use "
+            f"{gib(self.bytes_in_use)}, free {gib(self.free)}; {_fraction_text(self)}")
+
+
+def device_memory(device: jax.Device | None = None, *, memory_stats=None,
+                  physical_bytes: int | None = None) -> DeviceMemory:
+  """The pool of ``device`` (default device 0). ``memory_stats``: use these stats instead of the
+  device's (planning for another machine, tests); ``physical_bytes``: the device's memory
+  (default None: :func:`physical_device_bytes` of ``device``; 0: unknown, not looked up)."""
+  if memory_stats is None:
+    device = device or default_device()
+    memory_stats = device.memory_stats()
+  stats = memory_stats or {}
+  limit = stats.get("bytes_limit")
+  in_use = stats.get("bytes_in_use")
+  if physical_bytes is None:
+    try:
+      physical_bytes = physical_device_bytes(device)
+    except RuntimeError:  # no backend at all
+      physical_bytes = None
+  physical_bytes = physical_bytes or None
+  name = "device" if device is None else f"{device.device_kind} ({device.platform}:{device.id})"
+  return DeviceMemory(device=name, bytes_limit=None if limit is None else int(limit),
+                      bytes_in_use=None if limit is None else int(in_use or 0),
+                      physical_bytes=physical_bytes, fraction_source=fraction_source(),
+                      fraction_env=_env_fraction())
+
+
+_SOURCE_TEXT = {FRACTION_RKV: "set by rkv at import", FRACTION_USER: "set by the user",
+                FRACTION_TOO_LATE: "rkv was imported after JAX had started, too late to set it",
+                None: "rkv did not set it"}
+
+
+def _fraction_text(mem: DeviceMemory) -> str:
+  env = (f"the environment has {mem.fraction_env}" if mem.fraction_env else
+         f"the environment has no {MEM_FRACTION_ENV} (JAX's default "
+         f"{JAX_DEFAULT_MEM_FRACTION:g})")
+  return f"{env}: {_SOURCE_TEXT.get(mem.fraction_source, mem.fraction_source)}"
+
+
+def fraction_advice(mem: DeviceMemory) -> str:
+  """How to give XLA more of the device (the sentence the planner's errors end with)."""
+  limit = "?" if mem.bytes_limit is None else f"{mem.bytes_limit / _GIB:.1f} GiB"
+  share = ("" if mem.limit_share is None else
+           f", {mem.limit_share:.0%} of the device's {mem.physical_bytes / _GIB:.1f} GiB")
+  return (f'jax.devices()[0].memory_stats()["bytes_limit"] is {limit}{share}; '
+          f"{_fraction_text(mem)}. Set {MEM_FRACTION_ENV}={DEFAULT_DEVICE_MEM_FRACTION:g} in the "
+          f"environment before JAX starts (before the first jax call in the process; importing "
+          f"rkv before jax does it)")
+
+
+_warned: set = set()
+
+
+def check_memory_fraction(where: str, *, device: jax.Device | None = None, memory_stats=None,
+                          physical_bytes: int | None = None) -> str | None:
+  """Logs a warning (once per message) when XLA's pool on the device is below
+  :data:`LOW_FRACTION` of its physical memory, with the variable to set; returns that message,
+  or None when the pool is fine or either figure is unknown (CPU, or a device whose memory
+  cannot be read). A pool the user chose (``fraction_source`` :data:`FRACTION_USER`) is logged
+  at info level: they opted out."""
+  mem = device_memory(device, memory_stats=memory_stats, physical_bytes=physical_bytes)
+  if not mem.low:
+    return None
+  msg = f"{where}: XLA's device pool is short of the device: {fraction_advice(mem)}."
+  if msg not in _warned:
+    _warned.add(msg)
+    log.log(logging.INFO if mem.fraction_source == FRACTION_USER else logging.WARNING, "%s", msg)
+  return msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Host memory
+# ----------------------------------------------------------------------------------------------
+def host_memory() -> tuple[int | None, int | None]:
+  """``(physical, available)`` host RAM in bytes (None: unknown). Available is
+  ``/proc/meminfo``'s MemAvailable where there is one (free memory plus the page cache the kernel
+  can drop: a pinned tail can take it), else ``os.sysconf("SC_AVPHYS_PAGES")`` (free pages
+  only)."""
+  def sysconf(name):
+    try:
+      v = os.sysconf(name)
+      return v if v > 0 else None
+    except (ValueError, OSError, AttributeError):
+      return None
+  page = sysconf("SC_PAGE_SIZE")
+  phys_pages, av_pages = sysconf("SC_PHYS_PAGES"), sysconf("SC_AVPHYS_PAGES")
+  total = phys_pages * page if page and phys_pages else None
+  avail = av_pages * page if page and av_pages else None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  return total, avail
+
+
+def check_host_memory(host_bytes: int, *, where: str, argument: str = "context_len",
+                      memory: tuple[int | None, int | None] | None = None) -> None:
+  """Raises ``ValueError`` when ``host_bytes`` of pinned tail exceed the host's available RAM
+  (``memory``: ``(physical, available)``, default :func:`host_memory`; unknown: no check)."""
+  total, avail = host_memory() if memory is None else memory
+  if host_bytes <= 0 or avail is None or host_bytes <= avail:
+    return
+  raise ValueError(
+      f"{where}: {argument} gives a pinned-host tail of {host_bytes / _GIB:.1f} GiB, above this "
+      f"host's available memory of {avail / _GIB:.1f} GiB (physical "
+      f"{'?' if total is None else f'{total / _GIB:.1f}'} GiB): pinned memory cannot be paged "
+      f"out. Shrink the tail (larger vram_target_mib, smaller {argument} or batch, int8 KV), or "
+      f"free host memory; plan for another machine with ResidencyConfig(check_free=False).")
 
 
 # ----------------------------------------------------------------------------------------------

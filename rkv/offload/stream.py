@@ -182,6 +182,22 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # at K=8, D=128, bf16) are ~20 ms of PCIe at 54 GB/s: more than a layer's longest wait on the H200
 # (its CPU share and the query's host copy, ~2.5 ms at 128K half-offloaded), for 1 GiB of HBM.
 DEFAULT_PREFETCH_TILES = 8
+# ... and at most this many bytes of them (but always one tile): a batch of 8 makes each 32K-cell
+# tile 1 GiB, and 8 of those would take 8 GiB of window from every step.
+DEFAULT_PREFETCH_BYTES = 1 << 30
+
+
+def _tile_bytes(tile: Tile) -> int:
+  return sum(int(x.nbytes) for x in (tile.k, tile.v, tile.k_scale, tile.v_scale) if x is not None)
+
+
+def prefetch_room(tile_bytes: int, max_tiles: int = DEFAULT_PREFETCH_TILES,
+                  max_bytes: int = DEFAULT_PREFETCH_BYTES) -> int:
+  """Device bytes a :class:`Prefetcher` holds at most for tiles of ``tile_bytes``: ``max_tiles``
+  of them, fewer if they exceed ``max_bytes``, at least one (what a planner reserves)."""
+  if tile_bytes <= 0 or max_tiles <= 0:
+    return 0
+  return max(1, min(max_tiles, max_bytes // tile_bytes)) * tile_bytes
 
 
 class Prefetcher:
@@ -196,6 +212,9 @@ class Prefetcher:
   writes a new tile, never an old one), so the next layers' tiles, and the next step's first
   ones, can be requested long before they are attended.
 
+  At most ``max_tiles`` tiles and ``max_bytes`` bytes (but always one tile) are on the device
+  at a time, requested or taken and not yet read (:func:`prefetch_room`).
+
   Use: :meth:`begin` with the step's caches and their streamed tiles (``[(layer, tiles)]``, in
   attention order); before layer ``i`` attends, :meth:`take` ``(i, tiles)`` returns its tiles on
   the device (those not staged yet are requested now) and requests the following ones while room
@@ -204,10 +223,13 @@ class Prefetcher:
   :meth:`begin` with the returned caches starts the next step's transfers.
   """
 
-  def __init__(self, max_tiles: int = DEFAULT_PREFETCH_TILES, device: jax.Device | None = None):
-    if not isinstance(max_tiles, int) or isinstance(max_tiles, bool) or max_tiles < 1:
-      raise ValueError(f"Prefetcher: max_tiles must be a positive int, got {max_tiles!r}")
+  def __init__(self, max_tiles: int = DEFAULT_PREFETCH_TILES,
+               max_bytes: int = DEFAULT_PREFETCH_BYTES, device: jax.Device | None = None):
+    for name, val in (("max_tiles", max_tiles), ("max_bytes", max_bytes)):
+      if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        raise ValueError(f"Prefetcher: {name} must be a positive int, got {val!r}")
     self.max_tiles = max_tiles
+    self.max_bytes = max_bytes
     self.device = device
     self._order: list[tuple[int, int, Tile]] = []  # (layer, tile index, host tile), to request
     self._next = 0  # index into _order of the next tile to request
@@ -217,12 +239,20 @@ class Prefetcher:
     self.late = 0  # tiles a layer had to request itself
 
   def _in_flight(self) -> int:
-    return len(self._staged) + sum(n for n, _ in self._taken)
+    return len(self._staged) + sum(n for n, _, _ in self._taken)
+
+  def _in_flight_bytes(self) -> int:
+    return (sum(_tile_bytes(t) for _, t in self._staged.values())
+            + sum(nb for _, nb, _ in self._taken))
+
+  def _full(self, nbytes: int) -> bool:
+    n = self._in_flight()
+    return n >= self.max_tiles or (n > 0 and self._in_flight_bytes() + nbytes > self.max_bytes)
 
   def _make_room(self) -> bool:
     """Waits for the oldest taken tiles to be read; False when nothing can be freed."""
-    while self._taken and self._taken[0][1] is not None:
-      n, consumer = self._taken.popleft()
+    while self._taken and self._taken[0][2] is not None:
+      n, _, consumer = self._taken.popleft()
       _wait(consumer)
       if n:
         return True
@@ -230,9 +260,11 @@ class Prefetcher:
 
   def _fill(self) -> None:
     while self._next < len(self._order):
-      if self._in_flight() >= self.max_tiles and not self._make_room():
-        return
       layer, j, tile = self._order[self._next]
+      nbytes = _tile_bytes(tile)
+      while self._full(nbytes):
+        if not self._make_room():
+          return
       self._next += 1
       key = (layer, j)
       if key not in self._staged:
@@ -263,11 +295,11 @@ class Prefetcher:
     # Skip what this layer took (and anything planned before it) in the request order.
     while self._next < len(self._order) and self._order[self._next][0] <= layer:
       self._next += 1
-    self._taken.append([len(out), None])
+    self._taken.append([len(out), sum(_tile_bytes(t) for t in out), None])
     return tuple(out)
 
   def consumed(self, result) -> None:
     """``result``: ready only after the last :meth:`take`'s tiles were read (the layer's output)."""
-    if self._taken and self._taken[-1][1] is None:
-      self._taken[-1][1] = result
+    if self._taken and self._taken[-1][2] is None:
+      self._taken[-1][2] = result
     self._fill()

@@ -1,0 +1,75 @@
+"""Environment that must be set before JAX starts: imports only ``os`` and ``sys``.
+
+``rkv/__init__.py`` calls :func:`set_default_mem_fraction` before anything imports jax, because
+XLA's GPU client reads ``XLA_PYTHON_CLIENT_MEM_FRACTION`` once, when the backend is created
+(``jaxlib/xla_client.py``, ``generate_pjrt_gpu_plugin_options``), and caps its pool at that
+share of the device (default 0.75). :mod:`rkv.offload.memory` re-exports the names and reports
+what happened (:func:`rkv.offload.memory.device_memory`, ``check_memory_fraction``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# jaxlib 0.11's newer name for the same setting: the GPU client raises ValueError when both are
+# set, so a user who set this one must not get the other from rkv.
+MEM_FRACTION_ENV_NEW = "XLA_CLIENT_MEM_FRACTION"
+# Share of the device's memory XLA's GPU pool may take. Measured on the H200 (140.4 GiB =
+# 143771 MiB per nvidia-smi, 139.8 GiB per cuDeviceTotalMem; jax 0.11.2), bytes_limit / largest
+# allocation that succeeded: default (0.75) 105 GiB, 0.95 -> 133 GiB, 0.97 -> 136, 0.98 -> 138,
+# 0.99 -> 139 GiB (memory_stats()["bytes_limit"]: 112,583,507,968 bytes at the default,
+# 147,108,921,344 at 0.98, with or without XLA_PYTHON_CLIENT_PREALLOCATE=false). Llama-3-8B at 1M
+# tokens is 128 GiB of KV plus 15 GiB of weights, and each GiB more of device window saves ~9 ms
+# per decoded token, so the default's 75% throws away ~33 GiB. Not 0.99: the CUDA context, the
+# loaded modules (the Pallas/Triton kernels) and the cuBLAS/cuDNN handles live outside XLA's
+# pool and need some of the rest.
+DEFAULT_DEVICE_MEM_FRACTION = 0.98
+
+# What set_default_mem_fraction found (None: it has not run).
+FRACTION_RKV = "set by rkv"
+FRACTION_USER = "set by the user"
+FRACTION_TOO_LATE = "too late"  # jax's backend existed before rkv was imported: its fraction holds
+fraction_source: str | None = None
+
+
+def backends_initialized(modules=None) -> bool:
+  """Whether jax (if imported at all, per ``modules``, default ``sys.modules``) has created its
+  backends — after that an XLA env var is ignored. Never imports jax itself."""
+  modules = sys.modules if modules is None else modules
+  if "jax" not in modules:
+    return False
+  xb = modules.get("jax._src.xla_bridge")
+  if xb is None:
+    return False
+  check = getattr(xb, "backends_are_initialized", None)
+  if callable(check):
+    return bool(check())
+  return bool(getattr(xb, "_backends", None))
+
+
+def set_default_mem_fraction(environ=None, modules=None,
+                             default: float = DEFAULT_DEVICE_MEM_FRACTION) -> str:
+  """Sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=default`` in ``environ`` (default ``os.environ``)
+  unless the user set it (or ``XLA_CLIENT_MEM_FRACTION``) or jax's backends already exist (then
+  the variable would be ignored, and setting it would only mislead a later reader). Returns and
+  records in :data:`fraction_source` what happened: :data:`FRACTION_USER`, :data:`FRACTION_RKV`
+  or :data:`FRACTION_TOO_LATE`.
+
+  Opting out: set the variable yourself before importing rkv (``XLA_PYTHON_CLIENT_MEM_FRACTION=
+  .75`` is JAX's own default). ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` still works with rkv's
+  fraction: nothing is taken up front, the pool only grows to that share (measured on the H200:
+  the same bytes_limit with and without preallocation).
+  """
+  global fraction_source
+  environ = os.environ if environ is None else environ
+  if environ.get(MEM_FRACTION_ENV, "").strip() or environ.get(MEM_FRACTION_ENV_NEW, "").strip():
+    source = FRACTION_USER
+  elif backends_initialized(modules):
+    source = FRACTION_TOO_LATE
+  else:
+    environ[MEM_FRACTION_ENV] = f"{default:g}"
+    source = FRACTION_RKV
+  fraction_source = source
+  return source
