@@ -1,34 +1,27 @@
 #!/usr/bin/env bash
-# The issue-10 run on one H200 (one device call, ~8 min): decode beyond HBM and the bound of every
-# row. JSON lands in $OUT. Steps:
-#  1. command buffers A/B: resident decode traces at 2K / 128K with XLA's command buffers (CUDA
-#     graphs) forced on; if the 2K step beats the plain one by 10%, the decode rows below run with
-#     them too (recorded in the rows' environment).
-#  2. 128K half-offloaded trace (prefetcher + all-staged device partials).
-#  3. decode_bench rows: 1M bf16, 2M int8, B=8 x 128K (--budget=auto), resident 2K-512K,
-#     half-offloaded 128K / 512K, all into decode_beyond_hbm_h200.json.
+# Issue 10 on one H200 in one device call (~6 min for all steps): decode beyond HBM, every row with
+# its bandwidth bound. rkv itself sets the device memory fraction (0.98) and XLA's command buffers
+# before JAX starts (rkv/_env.py). JSON lands in $OUT (default benchmarks/results/).
+# Usage: bash benchmarks/beyond_hbm_h200.sh [trace] [beyond] [batch] [resident] [half] | all
+#   trace:    profiler traces of resident 2K / 128K and 128K half-offloaded decode
+#   beyond:   1M bf16 and 2M int8, planned with the default budget (--budget=auto)
+#   batch:    B=8 x 128K, default budget
+#   resident: resident decode 2K / 32K / 128K / 512K
+#   half:     half the KV on the host at 128K / 512K
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 out="${OUT:-benchmarks/results}"
 P=benchmarks/results/profile_h200_v3.json
-CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
 quiet() { grep -v -i warn | grep -v "residency.py.*layer [1-9]" | grep -v "^I1\|^W1"; }
-XLA_FLAGS="$CB" timeout 100 python3 -m experiments.decode_trace --configs=resident:2048,resident:131072 \
-  --profile=$P --out=$out/decode_trace_cmdbuf.json 2>&1 | quiet | tail -4
-flags=$(python3 - "$out/decode_trace_cmdbuf.json" <<'PY'
-import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]
-ms = {r["config"]: r.get("step_ms") for r in rows}
-# Plain 2K step in decode_trace_h200_prefetch.json: 11.06 ms.
-print("cmdbuf" if ms.get("resident:2048") and ms["resident:2048"] < 0.9 * 11.06 else "plain")
-PY
-)
-echo "decode rows run with: $flags"
-[ "$flags" = cmdbuf ] && export XLA_FLAGS="$CB"
-timeout 80 python3 -m experiments.decode_trace --configs=offload:131072:0.5 --profile=$P \
-  --out=$out/decode_trace_offload.json 2>&1 | quiet | tail -2
 B="python3 -m experiments.decode_bench --profile=$P --out=$out/decode_beyond_hbm_h200.json --plot= --append"
-timeout 110 $B --configs=rkv_offload --budget=auto --contexts=1048576 2>&1 | quiet | tail -4
-timeout 110 $B --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 2>&1 | quiet | tail -3
-timeout 90 $B --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 2>&1 | quiet | tail -3
-timeout 110 $B --configs=rkv_resident,rkv_offload --contexts=2048,32768,131072,524288 2>&1 | quiet | tail -14
+want trace && timeout 150 python3 -m experiments.decode_trace --profile=$P \
+  --configs=resident:2048,resident:131072,offload:131072:0.5 --out=$out/decode_trace_h200.json \
+  2>&1 | quiet | tail -3
+want beyond && timeout 110 $B --configs=rkv_offload --budget=auto --contexts=1048576 2>&1 | quiet | tail -3
+want beyond && timeout 110 $B --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+  2>&1 | quiet | tail -3
+want batch && timeout 90 $B --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 2>&1 | quiet | tail -3
+want resident && timeout 110 $B --configs=rkv_resident --contexts=2048,32768,131072,524288 2>&1 | quiet | tail -3
+want half && timeout 110 $B --configs=rkv_offload --contexts=131072,524288 2>&1 | quiet | tail -16

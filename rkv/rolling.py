@@ -313,26 +313,42 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU (worker thread, started first), the
   window, staging and tiles ``[0, n_stream)`` on the device meanwhile; one exact merge."""
   n_tiles = kv.n_full_tiles
-  # The kernel starts at once: it copies q (and q_pos) down itself (np.asarray: a small device →
-  # host copy), and reads the tail tiles in place; the GIL is released while it runs.
+  cpu_kw = dict(q_pos=q_pos, causal=static["causal"], window=static["window"],
+                softcap=static["softcap"], scale=static["scale"],
+                num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
+  device_part = n_stream or static["use_window"] or static["use_staging"]
+  tiles = _tiles(kv, n_stream, staged)
+  if schedule != "eager" or not n_stream or _all_staged(tiles):
+    # Nothing to stream from here: the device partials are one program, dispatched first, and the
+    # CPU share runs on this thread while the GPU computes them (its kernel releases the GIL). A
+    # worker thread would only contend for the GIL with this one: on the H200 that stretched a
+    # 128K half-offloaded hybrid layer's query copy to 0.67 ms and its wait to 2.2 ms
+    # (decode_trace_h200_offload.json).
+    device = None
+    if device_part:
+      with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
+        device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
+                           **static)
+    o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw)
+    return _merge_cpu(q, device, o_cpu, lse_cpu)
+  # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
+  # started at once: it copies q (and q_pos) down itself (np.asarray: a small device → host
+  # copy), and reads the tail tiles in place; the GIL is released while it runs.
   future = _executor().submit(
-      _annotated_cpu_tail, q, kv, q_pos=q_pos, causal=static["causal"],
-      window=static["window"], softcap=static["softcap"], scale=static["scale"],
-      num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
+      _annotated_cpu_tail, q, kv, **cpu_kw)
   device = None
   try:
-    if n_stream or static["use_window"] or static["use_staging"]:
-      with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
-        tiles = _tiles(kv, n_stream, staged)
-        if schedule == "eager" and not _all_staged(tiles):
-          device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                           partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
-        else:
-          device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
-                             **static)
+    with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
+      device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
+                       partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
   finally:
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
+  return _merge_cpu(q, device, o_cpu, lse_cpu)
+
+
+def _merge_cpu(q, device, o_cpu, lse_cpu):
+  """The CPU partial (numpy float32) moved to q's device and merged with the device one."""
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
     cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))

@@ -423,3 +423,21 @@ def test_host_memory_reads_this_machine():
   memory.check_host_memory(avail // 2, where="t")
   with pytest.raises(ValueError, match=r"t: capacity gives .* available memory"):
     memory.check_host_memory(10 * GIB, where="t", argument="capacity", memory=(8 * GIB, 4 * GIB))
+
+
+def test_command_buffer_flags_are_added_unless_the_user_set_them():
+  env = {}
+  assert _env.add_default_xla_flags(env, modules={})
+  assert env["XLA_FLAGS"].split() == list(_env.COMMAND_BUFFER_FLAGS)
+  # The user's own setting of a flag wins; the others are still added.
+  env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_dump_to=/tmp/x"}
+  assert _env.add_default_xla_flags(env, modules={})
+  flags = env["XLA_FLAGS"].split()
+  assert flags[:2] == ["--xla_gpu_enable_command_buffer=", "--xla_dump_to=/tmp/x"]
+  assert flags[2:] == ["--xla_gpu_graph_min_graph_size=1"]
+  assert not _env.add_default_xla_flags(env, modules={})  # nothing left to add
+  # Too late once a backend exists: XLA has parsed the variable.
+  xb = types.SimpleNamespace(backends_are_initialized=lambda: True)
+  env = {}
+  assert not _env.add_default_xla_flags(env, modules={"jax": object(), "jax._src.xla_bridge": xb})
+  assert env == {}
