@@ -1043,6 +1043,11 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   sz = _sizes(shape, batch)
   b, k, d, h = batch, shape.num_kv_heads, shape.head_dim, shape.query_heads
   one_tile = b * tile_cells * sz.cell if tile_bytes is None else int(tile_bytes)
+  # Without a prefetcher the eager stream schedule holds lookahead + 1 tiles of a layer.
+  in_flight = (stream_lib.prefetch_room(one_tile, prefetch_tiles) if prefetch_tiles
+               else (stream_lib.DEFAULT_LOOKAHEAD + 1) * one_tile)
+  if not prefetch_tiles:
+    prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1
   cap = (f", at most {stream_lib.DEFAULT_PREFETCH_BYTES / MIB:.0f} MiB"
          if stream_lib.prefetch_room(one_tile, prefetch_tiles) < prefetch_tiles * one_tile else "")
   how_tile = (f"{prefetch_tiles} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
@@ -1062,7 +1067,7 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   vocab = vocab_size or DEFAULT_RESERVE_VOCAB
   logits = b * vocab * 4 * LOGITS_COPIES
   return Reserve(terms=(
-      ("tiles", stream_lib.prefetch_room(one_tile, prefetch_tiles), how_tile),
+      ("tiles", in_flight, how_tile),
       ("decode", decode, f"B={b} x K={k} x {DECODE_SPLITS} splits x {rows} rows x (D+2) x 4 x "
                          f"{layers} layers"),
       ("prefill", prefill, how_prefill),

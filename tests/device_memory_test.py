@@ -212,7 +212,11 @@ def test_a_users_own_low_fraction_is_logged_at_info(source, caplog):
 # The derived reserve
 # ----------------------------------------------------------------------------------------------
 def test_reserve_terms_by_hand_llama3_8b():
-  r = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, **LLAMA3_8B_SIZES)
+  # The default (no prefetcher): the eager stream schedule's lookahead + 1 tiles of a layer.
+  d = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, **LLAMA3_8B_SIZES)
+  assert rz.DEFAULT_PREFETCH_TILES == 0
+  assert d.bytes_of("tiles") == (rkv.offload.stream.DEFAULT_LOOKAHEAD + 1) * 128 * MIB
+  r = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
   assert [n for n, _, _ in r.terms] == ["tiles", "decode", "prefill", "logits", "workspace"]
   # 8 prefetched tiles of 32768 cells x 8 heads x (K+V) x 128 x 2 bytes = 8 x 128 MiB.
   assert r.bytes_of("tiles") == 8 * 32768 * 8 * 2 * 128 * 2 == 1024 * MIB
@@ -232,8 +236,8 @@ def test_reserve_terms_by_hand_llama3_8b():
 
 
 def test_reserve_scales_with_batch_and_falls_back_without_model_sizes():
-  one = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, **LLAMA3_8B_SIZES)
-  four = rz.derive_reserve(LLAMA3_8B, 4, tile_cells=32768, **LLAMA3_8B_SIZES)
+  one = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
+  four = rz.derive_reserve(LLAMA3_8B, 4, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
   for name in ("decode", "prefill", "logits"):
     assert four.bytes_of(name) == 4 * one.bytes_of(name)
   assert four.bytes_of("workspace") == one.bytes_of("workspace")
@@ -251,7 +255,8 @@ def test_reserve_scales_with_batch_and_falls_back_without_model_sizes():
                         **LLAMA3_8B_SIZES)
   assert r.bytes_of("tiles") == one.bytes_of("tiles") // 4
   assert r.bytes_of("prefill") == 2 * one.bytes_of("prefill")
-  q = rz.derive_reserve(dataclasses.replace(LLAMA3_8B, kv_dtype="int8"), 1, tile_cells=32768)
+  q = rz.derive_reserve(dataclasses.replace(LLAMA3_8B, kv_dtype="int8"), 1, tile_cells=32768,
+                        prefetch_tiles=8)
   assert q.bytes_of("tiles") == 8 * 32768 * 8 * (2 * 128 + 2 * 4)
   assert rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, tile_bytes=0).bytes_of("tiles") == 0
 
@@ -260,7 +265,7 @@ def test_reserve_defaults_match_the_decode_loop():
   from rkv import generate
   assert rz.DEFAULT_CHUNK_TOKENS == generate.DEFAULT_CHUNK
   c = ResidencyConfig()
-  assert (c.prefetch_tiles, c.chunk_tokens, c.reserve_mib, c.check_free) == (8, 512, None, True)
+  assert (c.prefetch_tiles, c.chunk_tokens, c.reserve_mib, c.check_free) == (0, 512, None, True)
   for kw, name in ((dict(prefetch_tiles=-1), "prefetch_tiles"), (dict(chunk_tokens=0),
                    "chunk_tokens"), (dict(check_free="yes"), "check_free")):
     with pytest.raises(ValueError, match=name):
@@ -276,7 +281,8 @@ def test_plan_derives_the_reserve_from_the_model_config(caplog):
   with caplog.at_level(logging.INFO, logger="rkv.residency"):
     p = rz.plan(mc, CTX, 2, residency=cfg(), memory_stats=stats(free + MIB, MIB))
   r = p.reserve
-  assert r.bytes_of("tiles") == 8 * 2 * 512 * CELL  # the config's tile_cells, B=2
+  # The config's tile_cells, B=2, lookahead + 1 of them (the eager schedule; no prefetcher).
+  assert r.bytes_of("tiles") == (rkv.offload.stream.DEFAULT_LOOKAHEAD + 1) * 2 * 512 * CELL
   assert r.bytes_of("prefill") == 2 * 512 * (64 + 2 * 128 + (4 + 2 * K) * D) * 4 * 2
   assert r.bytes_of("logits") == 2 * 1000 * 4 * 2
   assert p.budget_bytes == free - p.reserve_bytes and p.free_bytes == free
@@ -297,11 +303,12 @@ def test_explicit_target_reserve_counts_the_plans_streamed_tiles():
   # All resident: nothing streams, so no tiles in flight.
   p = rz.plan(shape(), CTX, 1, residency=cfg(vram_target_mib=10), memory_stats=stats(GIB))
   assert p.fits and p.reserve.bytes_of("tiles") == 0 and "nothing streams" in p.reserve.describe()
-  # Streamed: prefetch_tiles of the plan's tile.
+  # Streamed: the eager schedule's lookahead + 1 tiles of the plan's tile (no prefetcher).
   p = rz.plan(shape(), CTX, 1, residency=cfg(vram_target_mib=1.2e6 / MIB, mode="window"),
               memory_stats=stats(GIB))
   tile = p.layers[0].tile_cells
-  assert not p.fits and p.reserve.bytes_of("tiles") == 8 * tile * CELL
+  assert not p.fits and p.reserve.bytes_of("tiles") == (
+      rkv.offload.stream.DEFAULT_LOOKAHEAD + 1) * tile * CELL
 
 
 # ----------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ Schedules:
 from __future__ import annotations
 
 import collections
+import os
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -178,10 +179,15 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # ----------------------------------------------------------------------------------------------
 # Across layers: the Prefetcher
 # ----------------------------------------------------------------------------------------------
-# Streamed tiles of the next layers kept in flight by a Prefetcher. 8 tiles of 32K cells (128 MiB
+# Streamed tiles of the next layers kept in flight by a Prefetcher, when one is on. 8 tiles of 32K cells (128 MiB
 # at K=8, D=128, bf16) are ~20 ms of PCIe at 54 GB/s: more than a layer's longest wait on the H200
 # (its CPU share and the query's host copy, ~2.5 ms at 128K half-offloaded), for 1 GiB of HBM.
-DEFAULT_PREFETCH_TILES = 8
+#
+# Off by default (0; $RKV_PREFETCH_TILES sets it for a process): measured on the H200 the decode
+# step is bound by the host's Python per layer, not by an idle link, and the prefetcher's own
+# bookkeeping made it slower: 128K half-offloaded 6.36 tok/s without it vs 5.73 with 8 tiles, 1M
+# tokens (default budget) 6.52 vs 5.44 (benchmarks/results/beyond_hbm/ab_prefetch{0,8}.json).
+DEFAULT_PREFETCH_TILES = int(os.environ.get("RKV_PREFETCH_TILES", "0"))
 # ... and at most this many bytes of them (but always one tile): a batch of 8 makes each 32K-cell
 # tile 1 GiB, and 8 of those would take 8 GiB of window from every step.
 DEFAULT_PREFETCH_BYTES = 1 << 30
@@ -233,27 +239,34 @@ class Prefetcher:
     self.device = device
     self._order: list[tuple[int, int, Tile]] = []  # (layer, tile index, host tile), to request
     self._next = 0  # index into _order of the next tile to request
-    self._staged: dict[tuple[int, int], tuple[object, Tile]] = {}  # (layer, j) -> (host k, device)
-    self._taken = collections.deque()  # [tiles taken, consumer or None]: possibly still read
+    self._staged: dict[tuple[int, int], tuple[object, Tile, int]] = {}  # (layer, j) -> (host k,
+    # device tile, bytes)
+    self._taken = collections.deque()  # [tiles, bytes, consumer or None]: possibly still read
+    self._tiles = 0  # staged + taken-and-unread tiles, and their bytes
+    self._bytes = 0
     self.requested = 0  # tiles requested ahead of their layer (counters for benchmarks)
     self.late = 0  # tiles a layer had to request itself
 
   def _in_flight(self) -> int:
-    return len(self._staged) + sum(n for n, _, _ in self._taken)
-
-  def _in_flight_bytes(self) -> int:
-    return (sum(_tile_bytes(t) for _, t in self._staged.values())
-            + sum(nb for _, nb, _ in self._taken))
+    return self._tiles
 
   def _full(self, nbytes: int) -> bool:
-    n = self._in_flight()
-    return n >= self.max_tiles or (n > 0 and self._in_flight_bytes() + nbytes > self.max_bytes)
+    n = self._tiles
+    return n >= self.max_tiles or (n > 0 and self._bytes + nbytes > self.max_bytes)
+
+  def _unstage(self, key):
+    host, tile, nbytes = self._staged.pop(key)
+    self._tiles -= 1
+    self._bytes -= nbytes
+    return host, tile, nbytes
 
   def _make_room(self) -> bool:
     """Waits for the oldest taken tiles to be read; False when nothing can be freed."""
     while self._taken and self._taken[0][2] is not None:
-      n, _, consumer = self._taken.popleft()
+      n, nbytes, consumer = self._taken.popleft()
       _wait(consumer)
+      self._tiles -= n
+      self._bytes -= nbytes
       if n:
         return True
     return False
@@ -268,7 +281,9 @@ class Prefetcher:
       self._next += 1
       key = (layer, j)
       if key not in self._staged:
-        self._staged[key] = (tile.k, put_eager(tile, self.device))
+        self._staged[key] = (tile.k, put_eager(tile, self.device), nbytes)
+        self._tiles += 1
+        self._bytes += nbytes
         self.requested += 1
 
   def begin(self, layers: Sequence[tuple[int, Sequence[Tile]]]) -> None:
@@ -276,26 +291,30 @@ class Prefetcher:
     they will be attended. Staged tiles that are no longer wanted (another cache) are dropped."""
     order = [(i, j, t) for i, tiles in layers for j, t in enumerate(tiles)]
     want = {(i, j): t.k for i, j, t in order}
-    for key in [k for k, (host, _) in self._staged.items() if want.get(k) is not host]:
-      del self._staged[key]
+    for key in [k for k, (host, _, _) in self._staged.items() if want.get(k) is not host]:
+      self._unstage(key)
     self._order, self._next = order, 0
     self._fill()
 
   def take(self, layer: int, tiles: Sequence[Tile]) -> tuple[Tile, ...]:
     """Layer ``layer``'s ``tiles`` on the device, in order (staged ones, the rest requested now);
     then requests the following layers' tiles while room is left."""
-    out = []
+    out, nbytes = [], 0
     for j, t in enumerate(tiles):
-      hit = self._staged.pop((layer, j), None)
+      hit = self._unstage((layer, j)) if (layer, j) in self._staged else None
       if hit is not None and hit[0] is t.k:
         out.append(hit[1])
+        nbytes += hit[2]
       else:
         out.append(put_eager(t, self.device))
+        nbytes += _tile_bytes(t)
         self.late += 1
     # Skip what this layer took (and anything planned before it) in the request order.
     while self._next < len(self._order) and self._order[self._next][0] <= layer:
       self._next += 1
-    self._taken.append([len(out), sum(_tile_bytes(t) for t in out), None])
+    self._taken.append([len(out), nbytes, None])
+    self._tiles += len(out)
+    self._bytes += nbytes
     return tuple(out)
 
   def consumed(self, result) -> None:
