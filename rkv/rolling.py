@@ -351,7 +351,12 @@ def _merge_cpu(q, device, o_cpu, lse_cpu):
   """The CPU partial (numpy float32) moved to q's device and merged with the device one."""
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
-    cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
+    if dev is None or dev == jax.devices()[0]:
+      # numpy into the jitted merge: the dispatch moves it to the default device on its C++ path
+      # (an eager jax.device_put first cost a Python call per layer).
+      cpu_part = (o_cpu, lse_cpu)
+    else:
+      cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
     parts = [cpu_part] if device is None else [device, cpu_part]
     return stream._merge_jit(parts, out_dtype=q.dtype)
 

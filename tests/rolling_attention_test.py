@@ -244,6 +244,14 @@ def _spy_eager(monkeypatch):
     assert memory.memory_kind(tile.k) == memory.PINNED_HOST
     return put(tile, device)
 
+  many = stream.put_many_eager
+
+  def spy_many(tiles, device=None):  # the first lookahead tiles go out in one call
+    for tile in tiles:
+      log.append(("put", int(tile.pos[0, 0])))
+      assert memory.memory_kind(tile.k) == memory.PINNED_HOST
+    return many(tiles, device)
+
   def spy_partial(q, q_pos, block, **kw):
     # Every program the eager schedule dispatches sees device arrays only.
     for x in jax.tree.leaves(block):
@@ -256,6 +264,7 @@ def _spy_eager(monkeypatch):
     wait(partial)
 
   monkeypatch.setattr(stream, "put_eager", spy_put)
+  monkeypatch.setattr(stream, "put_many_eager", spy_many)
   monkeypatch.setattr(rolling, "_partial_jit", spy_partial)
   monkeypatch.setattr(stream, "_wait", spy_wait)
   return log

@@ -86,8 +86,19 @@ class _Args(ctypes.Structure):
   ]
 
 
+# The loaded library per $RKV_CPU_KERNEL_SO value: finding it (the build key's stat of the
+# source, the cached .so's) took ~0.2 ms a call on the dev box, twice per CPU-tail call, on the
+# host path that bounds offloaded decode. A source edited mid-process is not rebuilt.
+_LOADED: dict[str | None, ctypes.CDLL] = {}
+
+
 def _lib() -> ctypes.CDLL:
+  key = os.environ.get(cpu_build.SO_ENV)
+  lib = _LOADED.get(key)
+  if lib is not None:
+    return lib
   lib = cpu_build.load_library()
+  _LOADED[key] = lib
   if not getattr(lib, "_rkv_typed", False):
     lib.rkv_cpu_attention.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p]

@@ -110,6 +110,19 @@ def put_eager(tile: Tile, device: jax.Device | None = None) -> Tile:
   return Tile(k, v, tile.pos, ks, vs)
 
 
+def put_many_eager(tiles: Sequence[Tile], device: jax.Device | None = None) -> list[Tile]:
+  """:func:`put_eager` of several tiles in one ``jax.device_put`` call (its Python path costs per
+  call, not per array); tiles already on the device are returned as they are."""
+  todo = [i for i, t in enumerate(tiles) if not on_device(t)]
+  out = list(tiles)
+  if todo:
+    moved = jax.device_put([(tiles[i].k, tiles[i].v, tiles[i].k_scale, tiles[i].v_scale)
+                            for i in todo], memory.sharding(memory.DEVICE, device))
+    for i, (k, v, ks, vs) in zip(todo, moved):
+      out[i] = Tile(k, v, tiles[i].pos, ks, vs)
+  return out
+
+
 def put_in_jit(tile: Tile) -> Tile:
   """The same move inside a jitted program (``Space.Device``: a placement op, async copy on GPU)."""
   to_dev = lambda x: None if x is None else jax.device_put(x, jax.memory.Space.Device)
@@ -158,7 +171,9 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
   depth = n if lookahead is None else min(lookahead, n)
   eager = schedule == "eager"
   put = (lambda t: put_eager(t, device)) if eager else put_in_jit
-  queue = collections.deque(put(tiles[i]) for i in range(depth))  # before the resident partials
+  # The first transfers go before the resident partials (one call when eager).
+  queue = collections.deque(put_many_eager(tiles[:depth], device) if eager
+                            else [put(tiles[i]) for i in range(depth)])
   partials = list(resident()) if resident is not None else []
   streamed = []
   for i in range(n):
