@@ -16,7 +16,7 @@ yourself before importing rkv, e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=.75``.
 from rkv import _env
 
 _env.set_default_mem_fraction()
-_env.add_default_xla_flags()  # command buffers: the decode step launches as CUDA graphs
+_env.add_default_xla_flags()  # XLA's command buffers off: faster decode on the H200 (rkv/_env.py)
 
 from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials
 from rkv import cache, offload

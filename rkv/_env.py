@@ -75,13 +75,13 @@ def set_default_mem_fraction(environ=None, modules=None,
   return source
 
 
-# XLA's command buffers (CUDA graphs) for every kind of GPU op a decode step launches. A
-# Llama-3-8B decode step is ~780 kernels; launched one by one its host side took 4-8 ms, as long
-# as the device work: with these flags the resident 2K step went 11.06 -> 9.63 ms and the 128K one
-# 16.6 -> 13.4 ms on the H200 (benchmarks/results/decode_trace_h200_cmdbuf.json against
-# decode_trace_h200_prefetch.json, same preset, same run method). CPU backends ignore them.
-COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
-                        "--xla_gpu_graph_min_graph_size=1")
+# XLA's command buffers (CUDA graphs), switched off. Measured in one run on the H200
+# (benchmarks/results/beyond_hbm/cmdbuf_{on,off}.json, Llama-3-8B shape, B=1): resident decode
+# 114.85 tok/s with them off vs 87.95 with them forced on at 2K (1.31x), 74.43 vs 68.69 at 128K;
+# offloaded rows unchanged (128K half 6.91 vs 6.90, 1M 6.48 vs 6.50). Without any flag (XLA's
+# default) earlier runs stepped 10.5-11.1 ms at 2K (decode_trace_h200*.json): like "on", but that
+# is across runs, a lead only; so is the earlier comparison that had suggested forcing them on.
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=",)
 XLA_FLAGS_ENV = "XLA_FLAGS"
 
 
@@ -89,7 +89,7 @@ def add_default_xla_flags(environ=None, modules=None, flags=COMMAND_BUFFER_FLAGS
   """Appends each of ``flags`` to ``XLA_FLAGS`` whose name the user's ``XLA_FLAGS`` does not
   already set (theirs win), unless jax's backends exist (too late: XLA parsed the variable).
   Returns whether any flag was added. Opting out: set the flag yourself, e.g.
-  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``."""
+  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS`` (XLA's kinds) turns them on."""
   environ = os.environ if environ is None else environ
   if backends_initialized(modules):
     return False

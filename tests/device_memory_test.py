@@ -435,14 +435,14 @@ def test_host_memory_reads_this_machine():
 def test_command_buffer_flags_are_added_unless_the_user_set_them():
   env = {}
   assert _env.add_default_xla_flags(env, modules={})
-  assert env["XLA_FLAGS"].split() == list(_env.COMMAND_BUFFER_FLAGS)
-  # The user's own setting of a flag wins; the others are still added.
-  env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_dump_to=/tmp/x"}
+  assert env["XLA_FLAGS"].split() == ["--xla_gpu_enable_command_buffer="]
+  # The user's own setting of the flag wins; their other flags are kept.
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
   assert _env.add_default_xla_flags(env, modules={})
-  flags = env["XLA_FLAGS"].split()
-  assert flags[:2] == ["--xla_gpu_enable_command_buffer=", "--xla_dump_to=/tmp/x"]
-  assert flags[2:] == ["--xla_gpu_graph_min_graph_size=1"]
+  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_command_buffer="]
+  env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION --xla_dump_to=/tmp/x"}
   assert not _env.add_default_xla_flags(env, modules={})  # nothing left to add
+  assert env["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION --xla_dump_to=/tmp/x"
   # Too late once a backend exists: XLA has parsed the variable.
   xb = types.SimpleNamespace(backends_are_initialized=lambda: True)
   env = {}
