@@ -1,0 +1,49 @@
+"""Builds benchmarks/results/decode_beyond_hbm_h200.json from the H200 runs of issue 10.
+
+Each row is copied unchanged from the run that measured it, with ``source`` (the run's file) and
+``settings`` (what differed from rkv's shipped defaults in that run) added. Rows of the same run
+compare directly; across runs, only ratios to the bound (each row's own) are comparable.
+
+  python3 benchmarks/compose_beyond_hbm.py
+"""
+
+import json
+import os
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RUNS = os.path.join(HERE, "beyond_hbm")
+# (file, settings, rows to take: (config, context, batch, kv_dtype))
+PICK = [
+    ("cmdbuf_off.json", "shipped defaults (command buffers off, no prefetcher)",
+     [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16"),
+      ("rkv_offload", 131072, 1, "bfloat16"), ("rkv_offload", 1048576, 1, "bfloat16")]),
+    ("cmdbuf_on.json", "command buffers forced on (offloaded rows: within 0.3% of off in this run)",
+     [("rkv_offload", 524288, 1, "bfloat16"), ("rkv_offload", 2097152, 1, "int8")]),
+    ("decode_beyond_hbm_h200_run1.json",
+     "command buffers forced on, prefetcher on (8 tiles, 1 GiB), CPU tail in a worker thread",
+     [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16"),
+      ("rkv_offload", 131072, 8, "bfloat16")]),
+]
+
+
+def main():
+  rows, env = [], None
+  for name, settings, keys in PICK:
+    with open(os.path.join(RUNS, name)) as f:
+      run = json.load(f)
+    env = env or {k: run.get(k) for k in ("device", "jax", "jaxlib", "platform")}
+    for r in run["rows"]:
+      if (r["config"], r["context"], r["batch"], r["kv_dtype"]) in keys:
+        rows.append(dict(r, source=f"beyond_hbm/{name}", settings=settings))
+  rows.sort(key=lambda r: (r["config"], r["batch"], r["context"]))
+  out = dict(env, rows=rows, doc=__doc__.strip().splitlines()[0])
+  with open(os.path.join(HERE, "decode_beyond_hbm_h200.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  for r in rows:
+    print(f"{r['config']:13s} {r['context']:>8d} B={r['batch']} {r['kv_dtype']:9s} "
+          f"{r['tokens_per_s']:7.2f} tok/s  bound {r['bound_tokens_per_s']:7.2f}  "
+          f"x{r['bound_ratio']:.2f}  tail {r.get('host_kv_gib') or 0:.2f} GiB  {r['source']}")
+
+
+if __name__ == "__main__":
+  main()
