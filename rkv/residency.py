@@ -72,8 +72,9 @@ DEFAULT_MIN_TILE_CELLS = 4096
 # bytes_in_use by the time a plan reads free memory). It was a flat 2048 MiB plus two tiles; on
 # the H200 every GiB more of window saves ~9 ms per decoded token at 1M context (Llama-3-8B), so
 # it is now derived from the run (:func:`derive_reserve`), term by term:
-# - Streamed tiles in flight: the decode loop keeps up to this many tail tiles of the next layers
-#   on the device (prefetched under the current layer's compute).
+# - Streamed tiles in flight: with a prefetcher (layered_forward's, off unless
+#   $RKV_PREFETCH_TILES is set), up to this many tail tiles of the next layers on the device;
+#   without one (0), the eager schedule's lookahead + 1 tiles of the layer attending.
 DEFAULT_PREFETCH_TILES = stream_lib.DEFAULT_PREFETCH_TILES  # layered_forward's Prefetcher
 # - The prefill chunk whose activations are live at once: rkv.generate.DEFAULT_CHUNK (residency
 #   cannot import generate, which imports it; tests/device_memory_test.py checks they agree).

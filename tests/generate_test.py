@@ -436,3 +436,31 @@ def test_equivalence_gate_per_tactic(tmp_path, capsys):
   for bad in ("bogus", "", "cpu,cpu", ("resident",)):
     with pytest.raises(ValueError, match="tactics"):
       gates.check_tactics(bad)
+
+
+def test_prefetcher_room_by_tiles_and_bytes():
+  """The Prefetcher keeps at most max_tiles tiles and max_bytes bytes on the device (always at
+  least one tile), frees room only once a layer's result is ready, and requests in attention
+  order across layers; prefetch_room is the planner's reserve for it."""
+  from rkv.offload import memory, stream
+  dev = lambda shape: jnp.zeros(shape, jnp.float32)
+  host = lambda shape: memory.to_host(jnp.ones(shape, jnp.float32))
+  tile = lambda: stream.Tile(host((1, 4, 1, 8)), host((1, 4, 1, 8)), dev((1, 4)), None, None)
+  nb = 2 * 4 * 8 * 4  # K and V of one tile
+  layers = [(i, [tile(), tile()]) for i in range(3)]
+  pf = stream.Prefetcher(max_tiles=8, max_bytes=3 * nb)
+  pf.begin(layers)
+  assert pf.requested == 3 and pf._in_flight() == 3  # the byte cap, not the tile cap
+  got = pf.take(0, layers[0][1])
+  assert all(stream.on_device(t) for t in got) and pf.late == 0
+  pf.consumed(jnp.zeros(()))  # layer 0 done: its 2 tiles' room comes back
+  assert pf.requested == 5 and pf._in_flight() == 3
+  # A tile larger than max_bytes still streams, one at a time.
+  big = stream.Prefetcher(max_tiles=8, max_bytes=1)
+  big.begin(layers)
+  assert big.requested == 1
+  assert stream.prefetch_room(nb, 8, 3 * nb) == 3 * nb
+  assert stream.prefetch_room(10 * nb, 8, 3 * nb) == 10 * nb
+  assert stream.prefetch_room(0, 8) == 0 and stream.prefetch_room(nb, 0) == 0
+  with pytest.raises(ValueError, match="max_bytes"):
+    stream.Prefetcher(max_bytes=0)

@@ -394,8 +394,10 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   ``prefetch_tiles``: streamed tail tiles kept in flight ahead of the layer that attends them, by
   one :class:`rkv.offload.stream.Prefetcher` shared by every call of ``fn`` (so the next step's
   first tiles are requested at the end of this one); default
-  ``rkv.offload.stream.DEFAULT_PREFETCH_TILES``, 0 = off (each layer requests its own tiles).
-  They are device memory on top of the plan's (the planner's reserve counts them).
+  ``rkv.offload.stream.DEFAULT_PREFETCH_TILES`` (``$RKV_PREFETCH_TILES``, else 0: off, each layer
+  requests its own tiles; on the H200 the host, not the link, bounds the offloaded step, and the
+  prefetcher measured slower: see that constant). They are device memory on top of the plan's
+  (the planner's reserve counts them when ``ResidencyConfig.prefetch_tiles`` says so).
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)

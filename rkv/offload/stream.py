@@ -203,6 +203,7 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # bookkeeping made it slower: 128K half-offloaded 6.36 tok/s without it vs 5.73 with 8 tiles, 1M
 # tokens (default budget) 6.52 vs 5.44 (benchmarks/results/beyond_hbm/ab_prefetch{0,8}.json).
 DEFAULT_PREFETCH_TILES = int(os.environ.get("RKV_PREFETCH_TILES", "0"))
+PREFETCH_TILES = 8  # a Prefetcher's own default, when one is made
 # ... and at most this many bytes of them (but always one tile): a batch of 8 makes each 32K-cell
 # tile 1 GiB, and 8 of those would take 8 GiB of window from every step.
 DEFAULT_PREFETCH_BYTES = 1 << 30
@@ -212,7 +213,7 @@ def _tile_bytes(tile: Tile) -> int:
   return sum(int(x.nbytes) for x in (tile.k, tile.v, tile.k_scale, tile.v_scale) if x is not None)
 
 
-def prefetch_room(tile_bytes: int, max_tiles: int = DEFAULT_PREFETCH_TILES,
+def prefetch_room(tile_bytes: int, max_tiles: int = PREFETCH_TILES,
                   max_bytes: int = DEFAULT_PREFETCH_BYTES) -> int:
   """Device bytes a :class:`Prefetcher` holds at most for tiles of ``tile_bytes``: ``max_tiles``
   of them, fewer if they exceed ``max_bytes``, at least one (what a planner reserves)."""
@@ -244,7 +245,7 @@ class Prefetcher:
   :meth:`begin` with the returned caches starts the next step's transfers.
   """
 
-  def __init__(self, max_tiles: int = DEFAULT_PREFETCH_TILES,
+  def __init__(self, max_tiles: int = PREFETCH_TILES,
                max_bytes: int = DEFAULT_PREFETCH_BYTES, device: jax.Device | None = None):
     for name, val in (("max_tiles", max_tiles), ("max_bytes", max_bytes)):
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
