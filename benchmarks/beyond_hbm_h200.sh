@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10 on one H200 in one device call (~6 min for all steps): decode beyond HBM, every row with
-# its bandwidth bound. rkv itself sets the device memory fraction (0.98) and XLA's command buffers
-# before JAX starts (rkv/_env.py). JSON lands in $OUT (default benchmarks/results/).
+# its bandwidth bound. rkv itself sets the device memory fraction (0.98) and switches XLA's
+# command buffers off before JAX starts (rkv/_env.py). JSON lands in $OUT (default benchmarks/results/).
 # Usage: bash benchmarks/beyond_hbm_h200.sh [trace] [beyond] [batch] [resident] [half] | all
 #   trace:    profiler traces of resident 2K / 128K and 128K half-offloaded decode
 #   beyond:   1M bf16 and 2M int8, planned with the default budget (--budget=auto)
