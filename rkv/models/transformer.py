@@ -305,10 +305,10 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   the update happens in place (the caches passed in must not be used again). The program is specialized on shapes only:
   a decode loop with fixed ``[B,1]`` tokens traces once (``fn.jitted._cache_size()``).
   """
-  # The parameters travel as a flat list of arrays: flattening the nnx State (Variables, Python
-  # flatten rules) on every call took 5.7-6.9 ms of host time per Llama-3-8B decode step on the
-  # H200, more than the device's 5.9 ms (benchmarks/results/decode_trace_h200.json); a list of
-  # arrays takes C++ pytree flattening.
+  # The parameters travel as a flat list of arrays (C++ pytree flattening, as layered_forward's
+  # programs take them) rather than as the nnx State (Python flatten rules on every call). On the
+  # H200 the step's 5.7-8 ms of host time (decode_trace_h200*.json) turned out to be XLA launching
+  # its ~780 kernels, not this flattening: the flat list did not move it measurably.
   graphdef, treedef, leaves = _split_flat(model)
 
   @functools.partial(jax.jit, donate_argnames=("caches",) if donate_caches else ())
