@@ -438,7 +438,7 @@ def test_equivalence_gate_per_tactic(tmp_path, capsys):
       gates.check_tactics(bad)
 
 
-def test_prefetcher_room_by_tiles_and_bytes():
+def test_prefetcher_room_by_tiles_and_bytes(monkeypatch):
   """The Prefetcher keeps at most max_tiles tiles and max_bytes bytes on the device (always at
   least one tile), frees room only once a layer's result is ready, and requests in attention
   order across layers; prefetch_room is the planner's reserve for it."""
@@ -464,3 +464,9 @@ def test_prefetcher_room_by_tiles_and_bytes():
   assert stream.prefetch_room(0, 8) == 0 and stream.prefetch_room(nb, 0) == 0
   with pytest.raises(ValueError, match="max_bytes"):
     stream.Prefetcher(max_bytes=0)
+  for raw, want in (("", 0), ("3", 3)):
+    monkeypatch.setenv(stream.PREFETCH_TILES_ENV, raw)
+    assert stream._prefetch_tiles_from_env() == want
+  monkeypatch.setenv(stream.PREFETCH_TILES_ENV, "lots")
+  with pytest.raises(ValueError, match="RKV_PREFETCH_TILES"):
+    stream._prefetch_tiles_from_env()

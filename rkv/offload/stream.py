@@ -202,7 +202,22 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # step is bound by the host's Python per layer, not by an idle link, and the prefetcher's own
 # bookkeeping made it slower: 128K half-offloaded 6.36 tok/s without it vs 5.73 with 8 tiles, 1M
 # tokens (default budget) 6.52 vs 5.44 (benchmarks/results/beyond_hbm/ab_prefetch{0,8}.json).
-DEFAULT_PREFETCH_TILES = int(os.environ.get("RKV_PREFETCH_TILES", "0"))
+PREFETCH_TILES_ENV = "RKV_PREFETCH_TILES"
+
+
+def _prefetch_tiles_from_env() -> int:
+  raw = os.environ.get(PREFETCH_TILES_ENV, "").strip() or "0"
+  try:
+    n = int(raw)
+  except ValueError:
+    n = -1
+  if n < 0:
+    raise ValueError(f"${PREFETCH_TILES_ENV} must be a non-negative tile count (0: no "
+                     f"prefetcher), got {raw!r}")
+  return n
+
+
+DEFAULT_PREFETCH_TILES = _prefetch_tiles_from_env()
 PREFETCH_TILES = 8  # a Prefetcher's own default, when one is made
 # ... and at most this many bytes of them (but always one tile): a batch of 8 makes each 32K-cell
 # tile 1 GiB, and 8 of those would take 8 GiB of window from every step.
