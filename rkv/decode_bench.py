@@ -140,8 +140,9 @@ class BenchConfig:
   offload_fraction: float = 0.5
   offload_mode: str = "auto"
   budget: str = "fraction"
-  # The planner's reserve under budget="auto" (MiB); None: rkv.ResidencyConfig's default
-  # (2048 MiB plus two of the largest tiles streaming).
+  # The planner's reserve under budget="auto" (MiB); None: derived from the run
+  # (rkv.residency.derive_reserve: tiles in flight, decode partials, a prefill chunk, logits,
+  # workspace; ~1.0-1.4 GiB for Llama-3-8B at B=1).
   reserve_mib: float | None = None
   tile_cells: int = 32768
   min_tile_cells: int = 4096

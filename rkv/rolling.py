@@ -28,16 +28,17 @@ a :class:`rkv.head_split.HeadSplitKV`):
 - ``"stream"``: the tail's full tiles are streamed to the device (the schedules above).
 - ``"cpu"``: the tail's full tiles are attended on the host, where they live, by the C kernel
   :func:`rkv.offload.cpu_attention.cpu_attention_tail` (reads the ``pinned_host`` tiles in place;
-  only ``q`` comes down to the host). The kernel runs in a worker thread (it releases the GIL and
-  is itself multi-threaded, by default on all cores but one: ``cpu_lib.tail_threads``) started
-  **before** the device partials (window, staging) are dispatched, so host and device work
-  overlap; its float32 ``(o, lse)`` then goes to the device and merges exactly with the device
-  partials. Needs concrete arrays: under an outer ``jax.jit``
-  it raises ``ValueError``.
+  only ``q`` comes down to the host). The device partials (window, staging) are dispatched first,
+  as one program, and the kernel then runs on the calling thread (it releases the GIL and is
+  itself multi-threaded, by default on all cores but one: ``cpu_lib.tail_threads``), so host and
+  device work overlap; its float32 ``(o, lse)`` then merges exactly with the device partials.
+  Needs concrete arrays: under an outer ``jax.jit`` it raises ``ValueError``.
 - ``"hybrid"``: the last ``floor(cpu_fraction * n + 0.5)`` full tiles go to the CPU kernel
   (``tiles=(start, n)``), the first ones stream through the schedule, both at once; exact merge.
   ``cpu_fraction`` (default 0.5) is the share attended on the CPU, i.e. ``1 -`` the planner's
-  ``hybrid_fraction`` (the share streamed). Eager-only like ``"cpu"``.
+  ``hybrid_fraction`` (the share streamed). Eager-only like ``"cpu"``. While the eager schedule
+  streams tiles from the calling thread, the kernel runs in a worker thread; when every streamed
+  tile is already on the device (a prefetcher's), the layer runs like ``"cpu"``.
 - ``"head"``: a :class:`~rkv.head_split.HeadSplitKV` (the first R KV heads resident, the rest
   rolled): each part is attended with its query heads (``"stream"`` for the rolled part) and
   ``o``, ``lse`` are concatenated along the heads. Traceable.
@@ -310,8 +311,10 @@ def _annotated_cpu_tail(*args, **kwargs):
 
 
 def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None):
-  """Tiles ``[n_stream, n_full_tiles)`` on the host CPU (worker thread, started first), the
-  window, staging and tiles ``[0, n_stream)`` on the device meanwhile; one exact merge."""
+  """Tiles ``[n_stream, n_full_tiles)`` on the host CPU, the window, staging and tiles
+  ``[0, n_stream)`` on the device meanwhile; one exact merge. The CPU share runs in a worker
+  thread while this one streams tiles eagerly, else on this thread after the device partials
+  (one program) are dispatched."""
   n_tiles = kv.n_full_tiles
   cpu_kw = dict(q_pos=q_pos, causal=static["causal"], window=static["window"],
                 softcap=static["softcap"], scale=static["scale"],
