@@ -142,7 +142,7 @@ class BenchConfig:
   budget: str = "fraction"
   # The planner's reserve under budget="auto" (MiB); None: derived from the run
   # (rkv.residency.derive_reserve: tiles in flight, decode partials, a prefill chunk, logits,
-  # workspace; ~1.0-1.4 GiB for Llama-3-8B at B=1).
+  # workspace; ~1.04 GiB for Llama-3-8B at B=1).
   reserve_mib: float | None = None
   tile_cells: int = 32768
   min_tile_cells: int = 4096
@@ -396,25 +396,14 @@ def resident_bound(mc, profile, capacity: int, batch: int,
 # ----------------------------------------------------------------------------------------------
 def free_device_bytes(stats: Mapping | None) -> int | None:
   """``bytes_limit - bytes_in_use`` of a device's ``memory_stats()``; None without them."""
-  if not stats or "bytes_limit" not in stats:
-    return None
-  return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  from rkv.offload import memory
+  return memory.device_memory(memory_stats=stats or {}, physical_bytes=0).free
 
 
 def host_available_bytes() -> int | None:
-  """Host RAM available to a new allocation: ``MemAvailable`` (page cache counts as free), else
-  free pages; None if neither is known."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-  except (ValueError, OSError):
-    return None
+  """Host RAM available to a new allocation (:func:`rkv.offload.memory.host_memory`)."""
+  from rkv.offload import memory
+  return memory.host_memory()[1]
 
 
 def check_fill(*, device_bytes: int, transient_bytes: int, free_device: int | None,
@@ -469,19 +458,6 @@ def _kernels():
   return generate, write
 
 
-def _rand_fn():
-  """A jitted ``rand(key, shape, dtype)`` normal sampler. The fill no longer uses it (it
-  generates chunks through :func:`_kernels`); kept, with the ``rand`` arguments of
-  :func:`filled_resident` / :func:`filled_rolling`, for their callers
-  (experiments/decode_trace.py)."""
-  import jax
-
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def rand(key, shape, dtype):
-    return jax.random.normal(key, shape, dtype)
-  return rand
-
-
 def _positions(batch, lo, hi, cells):
   """``[B,cells]`` int32: positions lo..hi-1 in the first hi-lo slots of every row, -1 after."""
   import jax.numpy as jnp
@@ -530,11 +506,9 @@ def _random_block(mc, batch, cells, lo, n, *, kv_dtype, chunk, keys):
                  k_scale=scales[0], v_scale=scales[1])
 
 
-def filled_resident(mc, batch, capacity, fill, key, rand=None, *, chunk_cells=32768):
+def filled_resident(mc, batch, capacity, fill, key, *, chunk_cells=32768):
   """A :class:`ResidentCache` of ``capacity`` cells whose first ``fill`` hold random K/V (the
-  model dtype: a ResidentCache holds no int8), generated ``chunk_cells`` at a time. ``rand``:
-  unused (the old sampler argument, accepted for callers that still pass it)."""
-  del rand
+  model dtype: a ResidentCache holds no int8), generated ``chunk_cells`` at a time."""
   import jax.numpy as jnp
   from rkv.models.kv import ResidentCache
   b = _random_block(mc, batch, capacity, 0, fill, kv_dtype=mc.dtype, chunk=chunk_cells,
@@ -542,16 +516,15 @@ def filled_resident(mc, batch, capacity, fill, key, rand=None, *, chunk_cells=32
   return ResidentCache(k=b.k, v=b.v, pos=b.pos, length=jnp.int32(fill))
 
 
-def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, rand=None,
-                   kv_dtype=None, chunk_cells=None):
+def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, kv_dtype=None,
+                   chunk_cells=None):
   """A :class:`rkv.RollingKV` (``capacity`` cells, ``W = window_cells``) holding ``fill`` random
   cells: window and staging on the device, whole tail tiles generated on the device and moved to
   ``pinned_host`` one at a time (never a host numpy copy of the tail). ``kv_dtype`` (default the
   model dtype) may be int8: K/V quantized on the device, the scales beside them (the tail's in
   pinned_host too). ``W = capacity`` is a cache with no tail (and no staging): how an int8 layer
   is resident. ``chunk_cells`` (default ``tile_cells``): the generated chunk of window and
-  staging. ``rand``: unused (as in :func:`filled_resident`)."""
-  del rand
+  staging."""
   import jax
   from rkv.cache import RollingKV, _tail_bytes, _tail_layout, _untile
   from rkv.offload import memory

@@ -624,6 +624,8 @@ class ResidencyConfig:
   free memory). ``reserve_mib``: device memory kept for everything but the caches; None = derived
   from the run (:func:`derive_reserve`: ``prefetch_tiles`` streamed tiles in flight, the decode
   kernel's partials, one prefill chunk of ``chunk_tokens`` tokens, the logits, XLA's workspace).
+  ``prefetch_tiles``: the tiles layered_forward's prefetcher keeps in flight (0, the default: no
+  prefetcher, and the reserve counts the eager schedule's lookahead + 1 tiles instead).
   ``check_free``: refuse, before anything is allocated, a plan that does not fit this machine —
   an explicit ``vram_target_mib`` whose caches plus the reserve exceed the device's free memory,
   or a host tail above the host's available RAM (False: plan for another machine).
@@ -1024,8 +1026,9 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
                    tile_bytes: int | None = None) -> Reserve:
   """The device memory a run needs beside its KV caches and weights, from what it runs:
 
-  - ``tiles``: ``prefetch_tiles`` streamed tail tiles in flight, each ``B x tile_cells`` cells of
-    all K heads (K/V and int8 scales; their positions are in the layout already). ``tile_bytes``
+  - ``tiles``: the streamed tail tiles on the device at once: ``prefetch_tiles`` of a prefetcher's
+    (when > 0), else the eager schedule's ``lookahead + 1`` of the layer attending; each
+    ``B x tile_cells`` cells of all K heads (K/V and int8 scales; their positions are in the layout already). ``tile_bytes``
     replaces one tile's bytes (a plan's largest streamed tile; 0 when nothing streams). Capped
     like the prefetcher's own room (``rkv.offload.stream.prefetch_room``: at most
     ``DEFAULT_PREFETCH_BYTES``, at least one tile).
@@ -1037,8 +1040,8 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   - ``logits``: ``B x vocab x 4 x LOGITS_COPIES`` (vocab ``DEFAULT_RESERVE_VOCAB`` if unknown).
   - ``workspace``: ``XLA_WORKSPACE_MIB`` for XLA's and cuBLAS's scratch.
 
-  Llama-3-8B, B=1, bf16, 32K-cell tiles: 1024 + 16.3 + 152 + 1.0 + 256 = ~1449 MiB (the old
-  flat default was 2048 MiB plus two tiles, 2304 MiB). Not counted: an XLA (non-Pallas) prefill
+  Llama-3-8B, B=1, bf16, 32K-cell tiles, no prefetcher: 640 + 16.2 + 152 + 1.0 + 256 = ~1065 MiB
+  (with 8 prefetched tiles 1024 MiB of tiles, ~1449 MiB; the old flat default was 2048 MiB plus two tiles, 2304 MiB). Not counted: an XLA (non-Pallas) prefill
   attention that materialises ``[chunk, S]`` scores — the library's kernels do not.
   """
   sz = _sizes(shape, batch)
@@ -1047,12 +1050,14 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   # Without a prefetcher the eager stream schedule holds lookahead + 1 tiles of a layer.
   in_flight = (stream_lib.prefetch_room(one_tile, prefetch_tiles) if prefetch_tiles
                else (stream_lib.DEFAULT_LOOKAHEAD + 1) * one_tile)
-  if not prefetch_tiles:
+  prefetched = bool(prefetch_tiles)
+  if not prefetched:
     prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1
   cap = (f", at most {stream_lib.DEFAULT_PREFETCH_BYTES / MIB:.0f} MiB"
          if stream_lib.prefetch_room(one_tile, prefetch_tiles) < prefetch_tiles * one_tile else "")
-  how_tile = (f"{prefetch_tiles} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
-              else f"{prefetch_tiles} x {one_tile} bytes, the plan's largest streamed tile{cap}"
+  how_tile = (f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
+              else f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {one_tile} bytes, "
+                   f"the plan's largest streamed tile{cap}"
               if one_tile else "nothing streams")
   layers = min(DECODE_LAYERS_IN_FLIGHT, shape.num_layers)
   rows = max(16, h // k)

@@ -216,6 +216,7 @@ def test_reserve_terms_by_hand_llama3_8b():
   d = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, **LLAMA3_8B_SIZES)
   assert rz.DEFAULT_PREFETCH_TILES == 0
   assert d.bytes_of("tiles") == (rkv.offload.stream.DEFAULT_LOOKAHEAD + 1) * 128 * MIB
+  assert "tiles 640.0 MiB [5 (lookahead + 1) x 32768 cells x B=1 x K=8]" in d.describe()
   r = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
   assert [n for n, _, _ in r.terms] == ["tiles", "decode", "prefill", "logits", "workspace"]
   # 8 prefetched tiles of 32768 cells x 8 heads x (K+V) x 128 x 2 bytes = 8 x 128 MiB.
@@ -227,7 +228,7 @@ def test_reserve_terms_by_hand_llama3_8b():
   assert r.bytes_of("logits") == 128256 * 4 * 2
   assert r.bytes_of("workspace") == 256 * MIB
   assert r.total == sum(b for _, b, _ in r.terms)
-  # Leaner than the old flat default (2048 MiB plus two tiles) and bounded: ~1.4 GiB.
+  # With 8 prefetched tiles: leaner than the old flat default (2048 MiB plus two tiles), ~1.4 GiB.
   assert 1400 * MIB < r.total < 2048 * MIB + 2 * 128 * MIB
   text = r.describe()
   for name in ("tiles 1024.0 MiB [8 x 32768 cells x B=1 x K=8]", "decode", "prefill",
