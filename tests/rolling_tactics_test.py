@@ -164,6 +164,30 @@ def test_cpu_kernel_overlaps_device_partials(monkeypatch):
   assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
 
 
+def test_cpu_tactic_dispatches_device_partials_before_its_kernel(monkeypatch):
+  # Nothing streams: the window and staging partials go out as one program first, then the
+  # kernel runs on the calling thread while the device computes them.
+  case = Case("inline", s=95, window_cells=10, **K2)  # 5 tiles + 5 staged
+  q, k, v, *_ = make(case, seed=5)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
+  events = []
+  real_cpu, real_unrolled = cpu_lib.cpu_attention_tail, rolling._unrolled
+
+  def cpu_spy(*a, **kw):
+    events.append(("cpu", threading.current_thread().name))
+    return real_cpu(*a, **kw)
+
+  def unrolled_spy(*a, **kw):
+    events.append(("device", len(a[4])))  # its tiles: none streamed
+    return real_unrolled(*a, **kw)
+
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail", cpu_spy)
+  monkeypatch.setattr(rolling, "_unrolled", unrolled_spy)
+  o, lse = rkv.rolling_attention(q, kv, tactic="cpu", impl="xla")
+  assert events == [("device", 0), ("cpu", threading.current_thread().name)]
+  assert_close("float32", o, lse, *rkv.attention(q, k, v, impl="reference"))
+
+
 @pytest.mark.parametrize("config", TACTIC_CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_appends_across_flushes(config, kv_dtype):
