@@ -98,6 +98,24 @@ def summarize(xplane_path: str, top: int) -> dict:
   return out
 
 
+KINDS = ("resident", "offload", "beyond")
+
+
+def parse_spec(spec: str) -> tuple[str, int, float | None]:
+  """``kind:context[:share]`` -> (kind, context, share), or a ValueError naming --configs."""
+  parts = spec.split(":")
+  try:
+    kind, ctx = parts[0], int(parts[1])
+    share = float(parts[2]) if len(parts) > 2 else None
+  except (IndexError, ValueError):
+    kind = None
+  if (kind not in KINDS or len(parts) > 3 or ctx < 2
+      or (kind == "offload") != (share is not None) or (share is not None and not 0 < share < 1)):
+    raise ValueError(f"--configs: {spec!r} is not resident:<context>, offload:<context>:<share in "
+                     f"(0, 1)> or beyond:<context>")
+  return kind, ctx, share
+
+
 def _caches(kind, mc, ctx, share, key, profile):
   from rkv import decode_bench as db
   cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
@@ -128,10 +146,8 @@ def main(argv):
   result = dict(benchmarking.environment(), preset=mc.name,
                 weight_gib=db.weight_bytes(mc) / db.GIB,
                 memory_stats=jax.devices()[0].memory_stats(), rows=[])
-  for spec in _CONFIGS.value:
-    parts = spec.split(":")
-    kind, ctx = parts[0], int(parts[1])
-    share = float(parts[2]) if len(parts) > 2 else None
+  specs = [parse_spec(spec) for spec in _CONFIGS.value]  # every spec checked before any work
+  for spec, (kind, ctx, share) in zip(_CONFIGS.value, specs):
     row = dict(config=spec, kind=kind, context=ctx, share=share)
     result["rows"].append(row)
     caches = None

@@ -328,3 +328,14 @@ def test_host_tactic_layers_int8_batch2(tactic):
   b = decode_bench.plan_bound(plan, mc, cfg.fill(512))
   assert set(b["link_gbps"]) == {tactic} and b["tail_bytes"] == 2 * mc.num_layers * (
       2 * 128 * decode_bench.kv_cell_bytes(mc, "int8"))
+
+
+def test_decode_trace_specs_are_checked():
+  from experiments import decode_trace
+  assert decode_trace.parse_spec("resident:2048") == ("resident", 2048, None)
+  assert decode_trace.parse_spec("offload:131072:0.5") == ("offload", 131072, 0.5)
+  assert decode_trace.parse_spec("beyond:1048576") == ("beyond", 1048576, None)
+  for bad in ("foo:1024", "offload:1024", "resident:x", "resident:1024:0.5", "offload:1024:2",
+              "resident"):
+    with pytest.raises(ValueError, match="--configs"):
+      decode_trace.parse_spec(bad)
