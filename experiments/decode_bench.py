@@ -3,7 +3,7 @@
 Decode tokens/s (median of the timed steps after warm-up) at each context, the caches filled
 synthetically (random K/V, no prefill): rkv resident, rkv with half the KV on the host (planner
 mode auto), transformers StaticCache and its offloaded cache (sdpa, torch on the GPU, run first
-in a spawned child). Writes JSON and a PNG of tokens/s against context (rkv/decode_bench.py).
+in a spawned child). Writes JSON and a PNG of tokens/s against context (lab/decode_bench.py).
 
 Example (H200, ~8 min; rkv's half tail at 512K is 32 GiB, within the default 64 GiB pinned pool):
   .venv/bin/python -m experiments.decode_bench \
@@ -43,7 +43,7 @@ CPU smoke runs:
 
 from absl import app, flags
 
-from rkv import decode_bench
+from lab import decode_bench
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288"], "Synthetic cache fills (tokens).")

@@ -117,7 +117,7 @@ def parse_spec(spec: str) -> tuple[str, int, float | None]:
 
 
 def _caches(kind, mc, ctx, share, key, profile):
-  from rkv import decode_bench as db
+  from lab import decode_bench as db
   cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
                        budget="auto" if kind == "beyond" else "fraction", profile_path=profile,
                        warmup=_WARMUP.value, steps=_STEPS.value + _TRACE_STEPS.value + 1,
@@ -136,7 +136,7 @@ def main(argv):
   import numpy as np
   from flax import nnx
   from rkv import benchmarking
-  from rkv import decode_bench as db
+  from lab import decode_bench as db
   from rkv.generate import _Stepper
   from rkv.models import Transformer, jit_forward
   mc = db.model_config(db.BenchConfig(preset=_PRESET.value))

@@ -5,7 +5,7 @@
 
 Loads the shipped recall model (rkv/assets/recall), prints the residency plan, answers the needle
 query through the planned caches and through resident ones, and prints the answer, tokens/s and
-the logit-equivalence figures (see rkv/demo.py). Exits 1 if the answer is wrong, differs from
+the logit-equivalence figures (see lab/demo.py). Exits 1 if the answer is wrong, differs from
 resident, or the logit gate fails.
 """
 
@@ -13,7 +13,7 @@ import json
 
 from absl import app, flags
 
-from rkv import demo
+from lab import demo
 
 _CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.")
 _DEPTH = flags.DEFINE_float("depth", 0.5, "Needle depth: 0 = start of the haystack, 1 = end.")

@@ -12,7 +12,7 @@ from absl import app
 from absl import flags
 
 from rkv import benchmarking
-from rkv import kernel_bench
+from lab import kernel_bench
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small shapes (CPU self-check) instead of the H200 shapes.")
 _OUT = flags.DEFINE_string("out", None, "Where to write the JSON result (none: print only).")

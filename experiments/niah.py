@@ -2,7 +2,7 @@
 on the resident path and with every layer forced offloaded (most KV in the host tail), and
 whether each tactic answers exactly what resident answers (it must: the tactics are exact).
 
-Task and model: rkv/recall.py (the shipped model is rkv/assets/recall). Offloaded tactics keep
+Task and model: rkv/recall.py, scoring: lab/niah.py (the shipped model is rkv/assets/recall). Offloaded tactics keep
 --window_cells on the device and put the rest in host tiles of --tile_cells (rkv.generate.
 force_tactic; hybrid attends --cpu_fraction of the tiles on the CPU, head keeps
 --resident_heads KV heads whole on the device).
@@ -19,9 +19,10 @@ import os
 from absl import app
 from absl import flags
 
+from lab import niah
 from rkv import recall
 
-_N = recall.NiahConfig()
+_N = niah.NiahConfig()
 _MODEL = flags.DEFINE_string("model", None, "Recall model folder (default: the shipped one).")
 _LENGTHS = flags.DEFINE_list("lengths", [str(x) for x in _N.lengths], "Context lengths (tokens).")
 _DEPTHS = flags.DEFINE_list("depths", [str(x) for x in _N.depths],
@@ -29,7 +30,7 @@ _DEPTHS = flags.DEFINE_list("depths", [str(x) for x in _N.depths],
 _SAMPLES = flags.DEFINE_integer("samples", _N.samples, "Prompts per (length, depth) cell.")
 _BATCH = flags.DEFINE_integer("batch", _N.batch, "Prompts decoded together.")
 _TACTICS = flags.DEFINE_list("tactics", list(_N.tactics),
-                             f"Of {recall.TACTICS}; resident is always run (the yardstick).")
+                             f"Of {niah.TACTICS}; resident is always run (the yardstick).")
 _W = flags.DEFINE_integer("window_cells", _N.window_cells, "Device window of offloaded layers.")
 _TILE = flags.DEFINE_integer("tile_cells", _N.tile_cells, "Host-tail tile of offloaded layers.")
 _CPU_FRACTION = flags.DEFINE_float("cpu_fraction", _N.cpu_fraction,
@@ -47,15 +48,15 @@ def main(argv):
   # Every batch plans its caches; the planner's "whole cache fits" line would flood the output.
   logging.getLogger("rkv.residency").setLevel(logging.WARNING)
   model, _, task = recall.load_recall_model(_MODEL.value, impl=_IMPL.value)
-  cfg = recall.NiahConfig(
+  cfg = niah.NiahConfig(
       lengths=tuple(int(x) for x in _LENGTHS.value),
       depths=tuple(float(x) for x in _DEPTHS.value), samples=_SAMPLES.value,
       batch=_BATCH.value, tactics=tuple(_TACTICS.value), window_cells=_W.value,
       tile_cells=_TILE.value, cpu_fraction=_CPU_FRACTION.value,
       resident_heads=_HEADS.value, chunk=_CHUNK.value, seed=_SEED.value)
-  report = recall.niah(model, task, cfg)
+  report = niah.niah(model, task, cfg)
   report["model"] = _MODEL.value or "rkv/assets/recall"
-  print(recall.format_table(report))
+  print(niah.format_table(report))
   if _OUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:

@@ -1,4 +1,4 @@
-"""Rolling-cache decode benchmark: streamed host tail vs the performance model (DESIGN.md §6).
+"""Rolling-cache decode benchmark: streamed host tail vs the performance model (docs/DESIGN.md §6).
 
 On the H200 (bf16, H=32, K=8, D=128, B=1 decode), for each context and window fraction: the
 measured step time per stream schedule (eager: per-tile eager transfers + dispatched partials;
@@ -20,7 +20,7 @@ CPU smoke run:
 
 from absl import app, flags
 
-from rkv.offload import bench
+from lab import rolling_bench as bench
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"],
                               "Context lengths (cells).")

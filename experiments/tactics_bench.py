@@ -23,7 +23,7 @@ CPU smoke run:
 from absl import app, flags
 
 from rkv import probe
-from rkv.offload import tactics_bench
+from lab import tactics_bench
 
 _P = probe.ProbeConfig()  # the probe flags' defaults are the library's
 

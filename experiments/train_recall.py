@@ -1,6 +1,6 @@
-"""Trains the needle-in-a-haystack recall model (rkv.recall) with optax and saves an HF folder.
+"""Trains the needle-in-a-haystack recall model (lab/recall_train.py) with optax and saves an HF folder.
 
-The task, the model, the curriculum and why it length-generalizes are in rkv/recall.py. The
+The task, the model, the curriculum and why it length-generalizes are in lab/recall_train.py. The
 shipped model (rkv/assets/recall; its training_log.json holds every run's log) was made on 2 CPU
 cores in four runs, 31 minutes in all: the default curriculum, then continuations on longer rows
 (the 8K needle was missed near the end of the haystack until rows of 2K-4K tokens were seen).
@@ -24,13 +24,14 @@ A quick smoke run:
 from absl import app
 from absl import flags
 
+from lab import recall_train
 from rkv import recall
 
-_T = recall.TrainConfig()
+_T = recall_train.TrainConfig()
 _S = recall.RecallModelSpec()
 
 
-def _stage_str(st: recall.Stage) -> str:
+def _stage_str(st: recall_train.Stage) -> str:
   return f"{st.steps}:{'/'.join(str(x) for x in st.lengths)}:{st.jump_prob:g}:{st.repeat:g}"
 
 
@@ -65,11 +66,11 @@ _THETA = flags.DEFINE_float("rope_theta", _S.rope_theta, "RoPE base.")
 _OUT = flags.DEFINE_string("out", None, "Save the HF folder here (e.g. rkv/assets/recall).")
 
 
-def _parse_stage(text: str) -> recall.Stage:
+def _parse_stage(text: str) -> recall_train.Stage:
   parts = text.split(":")
   if len(parts) not in (2, 3, 4):
     raise ValueError(f"--stages: expected STEPS:LEN[/LEN..][:SPREAD[:REPEAT]], got {text!r}")
-  return recall.Stage(steps=int(parts[0]), lengths=tuple(int(x) for x in parts[1].split("/")),
+  return recall_train.Stage(steps=int(parts[0]), lengths=tuple(int(x) for x in parts[1].split("/")),
                       jump_prob=float(parts[2]) if len(parts) > 2 else 0.0,
                       repeat=float(parts[3]) if len(parts) > 3 else 0.0)
 
@@ -80,12 +81,12 @@ def main(argv):
       num_layers=_LAYERS.value, hidden_size=_HIDDEN.value, intermediate_size=_FFN.value,
       num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value,
       rope_theta=_THETA.value)
-  cfg = recall.TrainConfig(
+  cfg = recall_train.TrainConfig(
       stages=tuple(_parse_stage(x) for x in _STAGES.value), tokens_per_step=_TOKENS.value,
       lr=_LR.value, warmup=_WARMUP.value, num_queries=_QUERIES.value, max_pairs=_PAIRS.value,
       max_span=_SPAN.value, adjacent_prob=_ADJ.value, seed=_SEED.value, log_every=_LOG_EVERY.value,
       eval_lengths=tuple(int(x) for x in _EVAL_LENGTHS.value), eval_samples=_EVAL_SAMPLES.value)
-  recall.train(recall.RecallTask(), spec, cfg, out=_OUT.value, init=_INIT.value)
+  recall_train.train(recall.RecallTask(), spec, cfg, out=_OUT.value, init=_INIT.value)
 
 
 if __name__ == "__main__":

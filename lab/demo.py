@@ -2,7 +2,7 @@
 
 :func:`run` loads the shipped recall model (:mod:`rkv.recall`), builds a haystack with one
 needle, plans the KV cache with a forced small device budget (``device_share`` of the KV bytes;
-the rest is planned off the device: the tail tactics of DESIGN.md §6), prints the plan table,
+the rest is planned off the device: the tail tactics of docs/DESIGN.md §4), prints the plan table,
 answers the query through the planned caches, then answers it again through fully resident caches
 and compares the two: the answers, and the teacher-forced logits of the last ``check_tokens``
 prompt tokens plus the answer (:func:`rkv.generate.decode_logits`, gated by :mod:`rkv.gates`).
@@ -21,6 +21,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from lab import niah
 from rkv import gates
 from rkv import generate as gen
 from rkv import recall
@@ -121,7 +122,7 @@ def run(cfg: DemoConfig = DemoConfig(), log: Callable[[str], None] = print) -> d
       f"{len(out.step_s) - 1} warm steps: {1e3 * float(np.median(out.step_s[1:])):.1f} ms)")
 
   resident = gen.generate(model, prompt, max_new_tokens=n_new,
-                          caches=recall.tactic_caches(mc, "resident", 1, capacity,
+                          caches=niah.tactic_caches(mc, "resident", 1, capacity,
                                                       window_cells=0, tile_cells=1),
                           chunk=cfg.chunk, progress=False)
   same_answer = bool(np.array_equal(resident.tokens, out.tokens))  # the answer and beyond
@@ -136,7 +137,7 @@ def run(cfg: DemoConfig = DemoConfig(), log: Callable[[str], None] = print) -> d
   prefill_len = cfg.context - cfg.check_tokens
   planned = gen.decode_logits(model, seq, gen.caches_from_plan(mc, plan, 1, capacity),
                               prefill_len=prefill_len, chunk=cfg.chunk)
-  ref = gen.decode_logits(model, seq, recall.tactic_caches(mc, "resident", 1, capacity,
+  ref = gen.decode_logits(model, seq, niah.tactic_caches(mc, "resident", 1, capacity,
                                                            window_cells=0, tile_cells=1),
                           prefill_len=prefill_len, chunk=cfg.chunk)
   metrics = gates.logit_metrics(ref, planned)

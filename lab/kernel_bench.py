@@ -1,6 +1,6 @@
 """Kernel benchmark: rkv's attention kernels against cuDNN and XLA, measured in the same run.
 
-Rows (DESIGN.md §5 shapes, bf16, H=32, K=8, D=128 unless stated):
+Rows (docs/DESIGN.md §7 shapes, bf16, H=32, K=8, D=128 unless stated):
   decode  B=1 at S=32K/128K/512K and B=8 at S=32K: effective K+V read bandwidth.
   prefill T=S=8K causal, MHA (K=32) and GQA 32/8: TFLOP/s, causal half counted.
 Every rkv row carries the ratio to cuDNN's time in the same run and its max |Δ| to cuDNN's output.

@@ -1,4 +1,4 @@
-"""The needle-in-a-haystack recall task, its tiny model, training and scoring.
+"""Training of the needle-in-a-haystack recall model (the task and its loading: rkv.recall).
 
 The task. A prompt is ``<bos>``, a *haystack* of filler words holding ``1 + num_distractors``
 key→value *pairs* (a key word followed by ``value_len`` value words), then the query ``? KEY``::
@@ -44,214 +44,12 @@ import json
 import os
 import sys
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable
 
 import numpy as np
 
-ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "recall")
-TASK_FILE = "recall_task.json"
-LOG_FILE = "training_log.json"
-
-PAD, UNK, BOS, QUERY = "<pad>", "<unk>", "<bos>", "?"
-SPECIALS = (PAD, UNK, BOS, QUERY)
-# Filler: common English words (lower case, so they never collide with the capitalized keys or the
-# numeric values). The haystack is word salad of these.
-FILLER_WORDS = (
-    "the of and to in is was for on that with as by at from his her it an were are which this "
-    "be or had not but what all when can there we one who more if out so up said do into time "
-    "has two could like other new then some them way these see him now may only its over also "
-    "after where most first well very through back much before good our just any man same old "
-    "right too three long little down while great day never world own under last might place "
-    "house still high another small part people found both between each name home light hand "
-    "water since away large three along far round open city near river stone cold green wind "
-    "quiet road field early night morning tree warm soft slow fast deep").split()
-FILLER_WORDS = tuple(dict.fromkeys(FILLER_WORDS))  # drop repeats, keep order
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-
-
-def _key_words(n: int) -> tuple[str, ...]:
-  """``n`` distinct two-syllable names (``Bako``, ``Demi``, ...), a fixed spread of the 4900."""
-  syl = [c + v for c in _CONSONANTS for v in _VOWELS]
-  total = len(syl) ** 2
-  if n > total:
-    raise ValueError(f"RecallTask: num_keys must be <= {total}, got {n}")
-  # 9973 is prime and does not divide 4900: i -> 9973 i mod 4900 is a bijection, so the names
-  # are distinct and spread over all syllables without a random generator.
-  out = []
-  for i in range(n):
-    j = (i * 9973) % total
-    out.append((syl[j // len(syl)] + syl[j % len(syl)]).capitalize())
-  return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecallTask:
-  """The vocabulary and the prompt shape.
-
-  Token ids: the ``SPECIALS`` (0..3), then ``num_keys`` key words, ``num_values`` value words
-  (``"100"``, ``"101"``, ...), then ``num_filler`` filler words. A small vocabulary is what lets
-  the circuit form within minutes on a CPU: every token's embedding must learn to be matched and
-  copied, and a token seen rarely learns slowly (256 keys and values stayed on the loss plateau
-  twice as long as 64/96 did). A pair is a key and ``value_len`` values;
-  a haystack prompt holds the needle and ``num_distractors`` other pairs.
-  """
-
-  num_keys: int = 64
-  num_values: int = 96
-  num_filler: int = 64
-  value_len: int = 2
-  num_distractors: int = 15
-
-  def __post_init__(self):
-    if not isinstance(self.num_filler, (int, np.integer)) or not 1 <= self.num_filler <= len(
-        FILLER_WORDS):
-      raise ValueError(f"RecallTask: num_filler must be in [1, {len(FILLER_WORDS)}], got "
-                       f"{self.num_filler!r}")
-    for f in ("num_keys", "num_values", "value_len"):
-      v = getattr(self, f)
-      if not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"RecallTask: {f} must be a positive int, got {v!r}")
-    if not isinstance(self.num_distractors, (int, np.integer)) or self.num_distractors < 0:
-      raise ValueError(f"RecallTask: num_distractors must be an int >= 0, got "
-                       f"{self.num_distractors!r}")
-    if (1 + self.num_distractors) > self.num_keys or \
-        (1 + self.num_distractors) * self.value_len > self.num_values:
-      raise ValueError(f"RecallTask: {1 + self.num_distractors} pairs need that many distinct "
-                       f"keys (num_keys={self.num_keys}) and value_len x that distinct values "
-                       f"(num_values={self.num_values})")
-    _key_words(self.num_keys)
-
-  # --- vocabulary ---
-  @property
-  def key_start(self) -> int:
-    return len(SPECIALS)
-
-  @property
-  def value_start(self) -> int:
-    return self.key_start + self.num_keys
-
-  @property
-  def filler_start(self) -> int:
-    return self.value_start + self.num_values
-
-  @property
-  def vocab_size(self) -> int:
-    return self.filler_start + self.num_filler
-
-  @property
-  def bos_id(self) -> int:
-    return SPECIALS.index(BOS)
-
-  @property
-  def query_id(self) -> int:
-    return SPECIALS.index(QUERY)
-
-  @property
-  def pair_len(self) -> int:
-    return 1 + self.value_len
-
-  @property
-  def min_context(self) -> int:
-    """The shortest haystack prompt: ``<bos>``, every pair, ``? KEY``, and two pairs' worth of
-    filler, so the pairs fit on both sides of a needle at any depth."""
-    return 3 + (3 + self.num_distractors) * self.pair_len
-
-  def words(self) -> tuple[str, ...]:
-    """Every token's word, by id."""
-    values = tuple(str(100 + i) for i in range(self.num_values))
-    return SPECIALS + _key_words(self.num_keys) + values + FILLER_WORDS[:self.num_filler]
-
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
-
-  def replace(self, **changes) -> "RecallTask":
-    return dataclasses.replace(self, **changes)
-
-
-def build_tokenizer(task: RecallTask):
-  """A ``tokenizers`` WordLevel tokenizer of the task's words (whitespace-split; decoding joins
-  with spaces and drops ``<pad>``/``<unk>``/``<bos>``)."""
-  from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
-
-  vocab = {w: i for i, w in enumerate(task.words())}
-  tok = Tokenizer(tk_models.WordLevel(vocab, unk_token=UNK))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens([PAD, UNK, BOS])
-  return tok
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Haystack:
-  """``tokens [T]`` int32 prompt (``<bos>`` ... ``? KEY``); ``answer [value_len]`` int32 (the
-  needle's values); ``needle_start``: index in ``tokens`` of the needle's key; ``key``: its id;
-  ``pair_starts``: indices of every pair's key (the needle's included), ascending."""
-
-  tokens: np.ndarray
-  answer: np.ndarray
-  needle_start: int
-  key: int
-  pair_starts: np.ndarray
-
-
-def _place(rng, length: int, n: int, pair_len: int) -> np.ndarray:
-  """Sorted starts of ``n`` non-overlapping pairs at random places in ``[0, length)``."""
-  free = length - n * pair_len
-  ins = np.sort(rng.integers(0, free + 1, size=n))
-  return ins + pair_len * np.arange(n)
-
-
-def _pairs(rng, task: RecallTask, n: int) -> tuple[np.ndarray, np.ndarray]:
-  """``n`` distinct keys ``[n]`` and ``n x value_len`` distinct values ``[n, value_len]``."""
-  keys = task.key_start + rng.choice(task.num_keys, size=n, replace=False)
-  values = task.value_start + rng.choice(task.num_values, size=n * task.value_len,
-                                         replace=False).reshape(n, task.value_len)
-  return keys.astype(np.int32), values.astype(np.int32)
-
-
-def haystack(rng: np.random.Generator, context_len: int, depth: float,
-             task: RecallTask = RecallTask(), *, num_distractors: int | None = None) -> Haystack:
-  """A prompt of exactly ``context_len`` tokens with the needle at fractional ``depth`` in [0, 1]
-  of the haystack (between ``<bos>`` and the query), ``num_distractors`` (default the task's)
-  other pairs at random places, filler words elsewhere."""
-  where = "haystack"
-  nd = task.num_distractors if num_distractors is None else num_distractors
-  if nd != task.num_distractors:
-    task = task.replace(num_distractors=nd)
-  if not isinstance(context_len, (int, np.integer)) or context_len < task.min_context:
-    raise ValueError(f"{where}: context_len must be an int >= {task.min_context} (<bos>, "
-                     f"{1 + nd} pairs of {task.pair_len} and 2 of filler, '? KEY'), got "
-                     f"{context_len!r}")
-  if not 0.0 <= float(depth) <= 1.0:
-    raise ValueError(f"{where}: depth must be in [0, 1], got {depth!r}")
-  body = context_len - 3
-  pl = task.pair_len
-  needle = int(round(float(depth) * (body - pl)))
-  # Distractors fall left or right of the needle in proportion to the room on each side.
-  left_room, right_room = needle, body - needle - pl
-  n_left = int(rng.binomial(nd, left_room / max(left_room + right_room, 1))) if nd else 0
-  n_left = min(max(n_left, nd - right_room // pl), left_room // pl)
-  starts = np.concatenate([_place(rng, left_room, n_left, pl), [needle],
-                           needle + pl + _place(rng, right_room, nd - n_left, pl)]).astype(int)
-  keys, values = _pairs(rng, task, 1 + nd)
-  toks = (task.filler_start + rng.integers(0, task.num_filler, size=body)).astype(np.int32)
-  for j, s in enumerate(starts):
-    toks[s] = keys[j]
-    toks[s + 1:s + pl] = values[j]
-  needle_j = n_left
-  out = np.concatenate([[task.bos_id], toks, [task.query_id, keys[needle_j]]]).astype(np.int32)
-  return Haystack(tokens=out, answer=values[needle_j].copy(), needle_start=1 + needle,
-                  key=int(keys[needle_j]), pair_starts=(1 + starts).astype(np.int32))
-
-
-def haystack_batch(rng, batch: int, context_len: int, depth: float,
-                   task: RecallTask = RecallTask()) -> tuple[np.ndarray, np.ndarray]:
-  """``(tokens [B,T], answers [B,value_len])`` of ``batch`` haystacks at one length and depth."""
-  hs = [haystack(rng, context_len, depth, task) for _ in range(batch)]
-  return np.stack([h.tokens for h in hs]), np.stack([h.answer for h in hs])
+from rkv.recall import (LOG_FILE, PAD, SPECIALS, TASK_FILE, RecallModelSpec, RecallTask,
+                        build_tokenizer, draw_pairs, haystack, model_config, place_pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,11 +97,11 @@ def training_batch(rng, batch: int, length: int, task: RecallTask = RecallTask()
   for r in range(batch):
     m = int(rng.integers(num_queries, max_pairs + 1))  # pair slots
     n = max(num_queries, int(round(m * (1.0 - repeat))))  # distinct pairs
-    keys, values = _pairs(rng, task, n)
+    keys, values = draw_pairs(rng, task, n)
     which = np.concatenate([np.arange(n), rng.integers(0, n, size=m - n)])
     which = which[rng.permutation(m)] if m > n else which
     row = task.filler_start + rng.integers(0, task.num_filler, size=body)
-    starts = _place(rng, body, m, pl)
+    starts = place_pairs(rng, body, m, pl)
     adjacent = adjacent_prob > 0 and rng.random() < adjacent_prob  # no draw at 0: same stream
     if adjacent:
       starts[-1] = body - pl  # the last pair slides right, onto the query
@@ -337,39 +135,6 @@ def training_batch(rng, batch: int, length: int, task: RecallTask = RecallTask()
         np.add.at(inc, cuts, rng.multinomial(extra, np.full(cuts.size, 1.0 / cuts.size)))
     pos[r] = np.cumsum(inc)
   return TrainBatch(tokens=toks[:, :-1], positions=pos, targets=toks[:, 1:], mask=mask[:, 1:])
-
-
-# ----------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RecallModelSpec:
-  """The tiny Llama's dimensions (vocabulary from the task)."""
-
-  num_layers: int = 2
-  hidden_size: int = 128
-  intermediate_size: int = 256
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 64
-  # A large base keeps the low rotary pairs nearly still over 16K positions (module docstring):
-  # with D=64 the 11 slowest of the 32 pairs turn by < 0.5 rad over 16K positions, while the
-  # fastest (1 rad per position) let a head pick out the previous token.
-  rope_theta: float = 1e7
-  max_position_embeddings: int = 32768
-
-
-def model_config(task: RecallTask, spec: RecallModelSpec = RecallModelSpec()):
-  """The :class:`rkv.models.ModelConfig` (Llama family, tied embeddings, float32)."""
-  from rkv.models.config import ModelConfig, RopeConfig
-  return ModelConfig(
-      vocab_size=task.vocab_size, hidden_size=spec.hidden_size,
-      intermediate_size=spec.intermediate_size, num_layers=spec.num_layers,
-      num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-      layer_windows=(None,) * spec.num_layers, rope=RopeConfig(theta=spec.rope_theta),
-      rms_norm_eps=1e-6, tie_embeddings=True,
-      max_position_embeddings=spec.max_position_embeddings, dtype="float32", family="llama",
-      name="rkv-recall")
 
 
 def hf_config(config, task: RecallTask) -> dict:
@@ -449,38 +214,6 @@ def save_model(path: str, model, task: RecallTask, *, log: dict | None = None):
   if log is not None:
     with open(os.path.join(path, LOG_FILE), "w") as f:
       json.dump(log, f, indent=2)
-
-
-class RecallModel(NamedTuple):
-  """What :func:`load_recall_model` returns: the model (``model.config`` is its
-  :class:`rkv.models.ModelConfig`), the ``tokenizers.Tokenizer`` and the :class:`RecallTask`."""
-
-  model: object
-  tokenizer: object
-  task: RecallTask
-
-
-def load_recall_model(path: str | None = None, *, impl: str = "auto") -> RecallModel:
-  """``(model, tokenizer, task)`` from a folder written by :func:`save_model` (default: the
-  shipped ``rkv/assets/recall``)."""
-  import jax.numpy as jnp
-  from rkv.models import hf
-
-  path = ASSET_DIR if path is None else os.fspath(path)
-  task_file = os.path.join(path, TASK_FILE)
-  if not os.path.isfile(task_file):
-    raise ValueError(f"load_recall_model: {path!r} holds no {TASK_FILE} (train one with "
-                     f"experiments/train_recall.py)")
-  with open(task_file) as f:
-    task = RecallTask(**json.load(f))
-  model = hf.load_hf(path, jnp.float32, impl=impl)
-  tok = hf.load_tokenizer(path)
-  if model.config.vocab_size != task.vocab_size or (
-      tok is not None and tok.get_vocab_size() != task.vocab_size):
-    raise ValueError(f"load_recall_model({path}): vocab sizes disagree: model "
-                     f"{model.config.vocab_size}, task {task.vocab_size}, tokenizer "
-                     f"{None if tok is None else tok.get_vocab_size()}")
-  return RecallModel(model, tok, task)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,133 +424,3 @@ def evaluate(model, task: RecallTask, context_len: int, samples: int, *, seed: i
   return right / samples
 
 
-# ----------------------------------------------------------------------------------------------
-# Scoring through the generation caches: resident and the offloaded tactics
-# ----------------------------------------------------------------------------------------------
-TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
-
-
-def tactic_caches(config, tactic: str, batch: int, capacity: int, *, window_cells: int,
-                  tile_cells: int, cpu_fraction: float = 0.5, resident_heads: int = 1) -> tuple:
-  """Empty caches for ``tactic``: ``resident`` (:func:`rkv.models.init_caches`), or every layer
-  forced to an offloaded tactic (:func:`rkv.generate.force_tactic`) with a device window of
-  ``window_cells`` and host tiles of ``tile_cells``; ``hybrid`` attends ``cpu_fraction`` of the
-  tail's tiles on the CPU, ``head`` keeps ``resident_heads`` KV heads whole on the device."""
-  from rkv import generate as gen
-  from rkv import models
-  from rkv.residency import ResidencyConfig, plan as make_plan
-
-  if tactic not in TACTICS:
-    raise ValueError(f"tactic_caches: tactic must be one of {TACTICS}, got {tactic!r}")
-  if tactic == "resident":
-    return models.init_caches(config, batch, capacity)
-  # A budget far above the cache: every layer planned resident, then forced offloaded.
-  base = make_plan(config, capacity, batch,
-                   residency=ResidencyConfig(mode="window", vram_target_mib=1 << 20))
-  forced = gen.force_tactic(base, tactic, window_cells, tile_cells, cpu_fraction=cpu_fraction,
-                            resident_heads=resident_heads)
-  return gen.caches_from_plan(config, forced, batch, capacity)
-
-
-def answer(model, tokens, value_len: int, *, caches, chunk: int = 512) -> np.ndarray:
-  """Greedy ``[B, value_len]`` answer tokens of prompts ``tokens [B,T]`` through ``caches``
-  (room for ``T + value_len`` cells): :func:`rkv.generate.generate`."""
-  from rkv import generate as gen
-  return gen.generate(model, tokens, max_new_tokens=value_len, caches=caches, chunk=chunk,
-                      progress=False).tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class NiahConfig:
-  """The grid :func:`niah` scores: ``samples`` prompts per (length, depth) cell in batches of
-  ``batch``; offloaded tactics use a device window of ``window_cells`` and ``tile_cells`` tiles
-  (``hybrid``: ``cpu_fraction`` of the tiles on the CPU; ``head``: ``resident_heads`` whole KV
-  heads on the device), see :func:`tactic_caches`."""
-
-  lengths: tuple = (1024, 2048, 4096, 8192)
-  depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
-  samples: int = 8
-  batch: int = 8
-  tactics: tuple = ("resident", "stream")
-  window_cells: int = 256
-  tile_cells: int = 512
-  cpu_fraction: float = 0.5
-  resident_heads: int = 1
-  chunk: int = 512
-  seed: int = 0
-
-
-def niah(model, task: RecallTask, cfg: NiahConfig = NiahConfig(), *,
-         log: Callable[[str], None] = print) -> dict:
-  """Scores needle retrieval (greedy exact match of all answer tokens) per tactic over
-  ``cfg.lengths`` x ``cfg.depths``; every tactic decodes the same prompts (seeded per cell).
-
-  Returns a JSON-able dict: ``accuracy[tactic][length][depth]``, ``accuracy_by_length``,
-  ``identical_to_resident[tactic]`` (every predicted answer token equal to resident's) with the
-  count of differing prompts, per-cell seconds, and the config.
-  """
-  bad = [t for t in cfg.tactics if t not in TACTICS]
-  if bad:
-    raise ValueError(f"niah: unknown tactics {bad}; known: {TACTICS}")
-  tactics = tuple(cfg.tactics)
-  if "resident" not in tactics:
-    tactics = ("resident",) + tactics  # the yardstick every tactic is compared with
-  acc = {t: {} for t in tactics}
-  secs = {t: 0.0 for t in tactics}
-  differ = {t: 0 for t in tactics}
-  total = 0
-  for length in cfg.lengths:
-    cap = length + task.value_len
-    for t in tactics:
-      acc[t][str(length)] = {}
-    for depth in cfg.depths:
-      rng = np.random.default_rng([cfg.seed, length, int(round(depth * 1000))])
-      prompts, answers = haystack_batch(rng, cfg.samples, length, depth, task)
-      preds = {}
-      for t in tactics:
-        t0 = time.perf_counter()
-        out = []
-        for lo in range(0, cfg.samples, cfg.batch):
-          p = prompts[lo:lo + cfg.batch]
-          caches = tactic_caches(model.config, t, p.shape[0], cap,
-                                 window_cells=cfg.window_cells, tile_cells=cfg.tile_cells,
-                                 cpu_fraction=cfg.cpu_fraction,
-                                 resident_heads=cfg.resident_heads)
-          out.append(answer(model, p, task.value_len, caches=caches, chunk=cfg.chunk))
-        preds[t] = np.concatenate(out)
-        secs[t] += time.perf_counter() - t0
-        acc[t][str(length)][str(depth)] = float(np.all(preds[t] == answers, axis=-1).mean())
-      for t in tactics:
-        differ[t] += int(np.any(preds[t] != preds["resident"], axis=-1).sum())
-      total += cfg.samples
-      log(f"niah: context {length:6d} depth {depth:4.2f}: " + "  ".join(
-          f"{t} {acc[t][str(length)][str(depth)]:.3f}" for t in tactics)
-          + ("" if all(np.array_equal(preds[t], preds["resident"]) for t in tactics)
-             else "  ANSWERS DIFFER FROM RESIDENT"))
-  by_len = {t: {ln: float(np.mean(list(d.values()))) for ln, d in acc[t].items()}
-            for t in tactics}
-  return dict(config=dataclasses.asdict(cfg), task=task.as_dict(), prompts=total,
-              accuracy=acc, accuracy_by_length=by_len,
-              identical_to_resident={t: differ[t] == 0 for t in tactics},
-              prompts_differing_from_resident=differ, seconds=secs)
-
-
-def format_table(report: dict) -> str:
-  """The accuracy table of a :func:`niah` report: one block per tactic, rows = depth,
-  columns = context length, plus the mean per length and the identity check."""
-  lines = []
-  for t, table in report["accuracy"].items():
-    lengths = list(table)
-    depths = list(next(iter(table.values()))) if table else []
-    lines.append(f"[{t}] identical to resident: {report['identical_to_resident'][t]}")
-    lines.append("depth  " + "".join(f"{ln:>8}" for ln in lengths))
-    for d in depths:
-      lines.append(f"{float(d):5.2f}  " + "".join(f"{table[ln][d]:8.3f}" for ln in lengths))
-    lines.append(" mean  " + "".join(f"{report['accuracy_by_length'][t][ln]:8.3f}"
-                                     for ln in lengths))
-  return "\n".join(lines)
-
-
-def decode_text(tokenizer, ids: Sequence[int]) -> str:
-  """Readable text of token ids (``tokenizer.decode``, specials dropped)."""
-  return tokenizer.decode([int(i) for i in ids])

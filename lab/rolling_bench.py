@@ -1,13 +1,13 @@
 """Rolling-cache benchmark library: streamed decode steps against the performance model.
 
 For each context length and window fraction it builds a :class:`rkv.RollingKV` and measures, in
-one process so the ratios are comparable (DESIGN.md §5: ±15% run to run):
+one process so the ratios are comparable (docs/DESIGN.md §7: ±15% run to run):
 
 - ``step_s``: one decode step of :func:`rkv.rolling_attention` per schedule (``"eager"``: per-tile
   eager transfers and dispatches, ``"unrolled"``: one jitted program), lookahead and tile size
   (median wall clock after warm-up, ``block_until_ready``);
 - ``window_s``: the resident kernel over the window alone (one jitted ``rkv.attention``); ``h2d_gbps``: ``device_put`` of the
-  pinned-host tail to the device; ``model_s = max(window_s, tail_bytes / h2d_rate)`` (DESIGN.md
+  pinned-host tail to the device; ``model_s = max(window_s, tail_bytes / h2d_rate)`` (docs/DESIGN.md
   §6: overlap is a max, not a sum) and ``step_s / model_s``;
 - ``tail_gbps``: tail bytes over the step time; ``resident_s``: the whole context on the device
   (where it fits); ``naive_s``: move every per-tile tail array to the device (eager

@@ -1,7 +1,7 @@
 """Tail-tactic benchmark library (issue 4): every tactic's measured step vs the residency model.
 
 One attention layer (default bf16, H=32, K=8, D=128, B=1, decode T=1) per context and window
-fraction. In one process, so the figures are comparable (DESIGN.md §5: ±15% run to run):
+fraction. In one process, so the figures are comparable (docs/DESIGN.md §7: ±15% run to run):
 
 1. The profile: measured in this run with :func:`rkv.probe.run_probe` (H2D rate + per-put fixed
    cost, device attention rate + overhead, the cpu tactic's rate + fixed cost over a pinned_host
@@ -45,7 +45,7 @@ from rkv import probe as probe_lib
 from rkv import residency
 from rkv import rolling
 from rkv.head_split import HeadSplitKV
-from rkv.offload import bench as rolling_bench
+from lab import rolling_bench
 from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import memory
 

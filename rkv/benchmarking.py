@@ -1,6 +1,7 @@
-"""Timing helpers shared by the benchmark scripts (never used by tests: speed is not a test).
+"""Timing helpers: the probe that writes the planner's profile (:mod:`rkv.probe`) times with them,
+and so do the lab's benchmarks (``lab/``); tests never time (speed is not a test).
 
-Timing method (METHOD.md of the device library): warm up first so compilation stays out, then time
+Timing method: warm up first so compilation stays out, then time
 ``n_inner`` back-to-back calls and block on the last one: JAX dispatch is asynchronous, so the
 host's launch overhead overlaps the device's work and the figure is device time per call. The
 reported figure is the median of ``n_outer`` such batches.

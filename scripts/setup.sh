@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 (found on PATH, in pyenv, or given as $RKV_PYTHON) and installs
-# rkv with its test extra. Re-running is cheap: nothing is reinstalled while pyproject.toml is unchanged.
+# rkv with its test and lab extras. Re-running is cheap: nothing is reinstalled while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +34,6 @@ echo "setup: using $py ($("$py" --version))"
 rm -rf .venv
 "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,lab]"
 echo "$want" > "$stamp"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__)'))"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from rkv import decode_bench
+from lab import decode_bench
 
 ROW_FIELDS = {"config", "context", "batch", "kv_dtype", "tokens_per_s", "bound_tokens_per_s",
               "bound_s", "bound_ratio", "device_bytes", "tail_bytes", "hbm_gbps", "link_gbps",

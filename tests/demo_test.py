@@ -3,7 +3,7 @@ an offloaded plan exactly as through resident caches (answers, tokens and logit 
 
 import pytest
 
-from rkv import demo
+from lab import demo
 
 
 @pytest.mark.parametrize("mode", ["auto", "hybrid"])

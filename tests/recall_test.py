@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from lab import niah, recall_train
 from rkv import recall
 from rkv.models import hf
 
@@ -61,7 +62,7 @@ def test_haystack_rejects_bad_arguments():
 @pytest.mark.parametrize("repeat", [0.0, 0.5])
 def test_training_batch_targets_are_the_query_answers(repeat):
   rng = np.random.default_rng(0)
-  b = recall.training_batch(rng, 3, 128, TASK, num_queries=4, max_pairs=8, repeat=repeat)
+  b = recall_train.training_batch(rng, 3, 128, TASK, num_queries=4, max_pairs=8, repeat=repeat)
   per_row = b.mask.sum(axis=1)
   assert np.all(per_row == 4 * TASK.value_len) if repeat == 0 else np.all(per_row >= 8)
   assert b.tokens.shape == b.positions.shape == b.targets.shape == b.mask.shape == (3, 128)
@@ -95,8 +96,8 @@ def test_saved_folder_loads_as_hf_llama(tmp_path):
   spec = recall.RecallModelSpec(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4,
                                 num_kv_heads=2, head_dim=8)
   task = recall.RecallTask(num_keys=20, num_values=40, num_distractors=3)
-  model = recall.init_model(task, spec, seed=3)
-  recall.save_model(str(tmp_path), model, task, log={"note": "test"})
+  model = recall_train.init_model(task, spec, seed=3)
+  recall_train.save_model(str(tmp_path), model, task, log={"note": "test"})
   loaded, tok, task2 = recall.load_recall_model(str(tmp_path), impl="reference")
   assert task2 == task and tok.get_vocab_size() == task.vocab_size
   cfg = loaded.config
@@ -104,7 +105,7 @@ def test_saved_folder_loads_as_hf_llama(tmp_path):
   tokens = recall.haystack(np.random.default_rng(0), 40, 0.5, task).tokens[None]
   np.testing.assert_allclose(np.asarray(loaded(tokens)), np.asarray(model(tokens)), atol=1e-5)
   # The training-loss forward mirrors the model's.
-  np.testing.assert_allclose(np.asarray(recall.answer_logits(model, tokens, np.arange(40)[None],
+  np.testing.assert_allclose(np.asarray(recall_train.answer_logits(model, tokens, np.arange(40)[None],
                                                              5)),
                              np.asarray(model(tokens)[:, -5:]), atol=1e-5)
   with open(tmp_path / "config.json") as f:
@@ -114,11 +115,11 @@ def test_saved_folder_loads_as_hf_llama(tmp_path):
 def test_train_runs_every_stage_kind_and_saves(tmp_path):
   spec = recall.RecallModelSpec(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4,
                                 num_kv_heads=2, head_dim=8)
-  cfg = recall.TrainConfig(
-      stages=(recall.Stage(3, (32,), repeat=0.5), recall.Stage(2, (64,), jump_prob=0.5)),
+  cfg = recall_train.TrainConfig(
+      stages=(recall_train.Stage(3, (32,), repeat=0.5), recall_train.Stage(2, (64,), jump_prob=0.5)),
       tokens_per_step=256, log_every=1, eval_lengths=(64,), eval_samples=2)
   lines = []
-  model, log = recall.train(TASK, spec, cfg, out=str(tmp_path), log=lines.append)
+  model, log = recall_train.train(TASK, spec, cfg, out=str(tmp_path), log=lines.append)
   assert [h["step"] for h in log["history"]] == [1, 2, 3, 4, 5]
   assert all(np.isfinite(h["loss"]) for h in log["history"])
   assert set(log["eval_accuracy"]) == {"64"} and any("stage 1" in x for x in lines)
@@ -159,11 +160,11 @@ def test_shipped_model_retrieves_and_stream_answers_identically(shipped):
   prompts = np.stack([h.tokens for h in hs])
   answers = np.stack([h.answer for h in hs])
   cap = length + task.value_len
-  caches = recall.tactic_caches(model.config, "resident", n, cap, window_cells=0, tile_cells=1)
+  caches = niah.tactic_caches(model.config, "resident", n, cap, window_cells=0, tile_cells=1)
   resident = recall.answer(model, prompts, task.value_len, caches=caches)
   acc = np.all(resident == answers, axis=-1).mean()
   assert acc >= RECALL_BAR, (acc, [recall.decode_text(tok, r) for r in resident])
   # Most of the KV in the host tail (W=128 of 1026 cells, tiles of 256): the same answers.
-  caches = recall.tactic_caches(model.config, "stream", n, cap, window_cells=128, tile_cells=256)
+  caches = niah.tactic_caches(model.config, "stream", n, cap, window_cells=128, tile_cells=256)
   stream = recall.answer(model, prompts, task.value_len, caches=caches)
   np.testing.assert_array_equal(stream, resident)

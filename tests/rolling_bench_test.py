@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rkv.offload import bench
+from lab import rolling_bench as bench
 
 STEP_KEYS = {"context", "window_fraction", "window_cells", "tail_cells", "tile_cells", "schedule",
              "step_s", "model_s", "window_s", "h2d_gbps", "tail_gbps", "resident_s", "naive_s",

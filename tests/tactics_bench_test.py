@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rkv import residency
-from rkv.offload import tactics_bench
+from lab import tactics_bench
 
 STEP_KEYS = {"context", "window_fraction", "tactic", "step_s", "modeled_s", "ratio", "max_abs_err"}
 VERDICT_KEYS = {"context", "window_fraction", "pick", "pick_step_s", "fastest", "fastest_step_s",

@@ -1,7 +1,6 @@
 """Host-tail machinery: memory kinds and placement (:mod:`.memory`), streamed tail attention
 (:mod:`.stream`), the host-CPU attention kernel over the tail (:mod:`.cpu_attention`, built from
-``cpu_kernel.c`` on first use), and the rolling-cache benchmark library (:mod:`.bench`, imported on
-demand)."""
+``cpu_kernel.c`` on first use). The rolling-cache benchmark is the lab's (``lab/rolling_bench.py``)."""
 
 from rkv.offload.memory import (check_host_pool, hlo_report, host_compute_eqns, memory_kind,
                                 placement_report, to_device, to_host)
