@@ -27,7 +27,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # Masks and small helpers shared by the jnp paths
 # ----------------------------------------------------------------------------------------------
 def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, window: int | None) -> jax.Array:
-  """``[B,T,S]`` bool: key j is visible to query i (DESIGN.md §3)."""
+  """``[B,T,S]`` bool: key j is visible to query i (docs/DESIGN.md §2)."""
   qp = q_pos[:, :, None]
   kp = k_pos[:, None, :]
   mask = kp >= 0
@@ -212,7 +212,7 @@ def resolve_impl(impl: str, q_len: int) -> str:
 
 def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, softcap=None,
               scale=None, impl="auto", k_scale=None, v_scale=None, block_sizes=None):
-  """Exact attention ``(o [B,T,H,D], lse [B,T,H])`` with masks from positions (DESIGN.md §3).
+  """Exact attention ``(o [B,T,H,D], lse [B,T,H])`` with masks from positions (docs/DESIGN.md §2).
 
   ``impl``: ``"reference"`` (float32 einsum), ``"xla"`` (tiled jnp online softmax), ``"pallas"``
   (the decode kernel for T <= 16, the flash kernel above; ``interpret=True`` on CPU), ``"auto"``.

@@ -13,16 +13,9 @@ tail): the tail crosses PCIe at about half the bf16 bytes and is dequantized on 
 Attention over the cache (:func:`rkv.rolling_attention`) is the exact LSE merge of window,
 staging and tail partials, so where a cell lives never changes the result.
 
-Why one array per tile (measured on the H200, jax 0.11.2; ``benchmarks/results/rolling_overlap``):
-the first design stacked the tail as one ``pinned_host`` array ``[N,B,tile,K,D]`` and moved
-tiles inside one jitted program (``device_put(tail[i], Space.Device)`` → XLA async
-``dynamic-slice-start/-done``, ``scan_128k_w50.hlo.txt``). That transfer did not overlap compute:
-a 512K-cell cache with half on the host took 24.1 ms a step in-jit against 21.0 ms for the
-transfer alone and 0.92 ms for the compute alone (sum 21.9), whatever the XLA flags, lookahead or
-tile size (``rb_*.json``). With separate per-tile ``pinned_host`` arrays moved by plain eager
-``jax.device_put`` (PJRT's transfer path, its own stream) and the attention dispatched as separate
-jitted calls, the step took 21.2 ms, the transfer time: full overlap (``overlap_probe_h200.json``,
-``experiments/overlap_probe.py``). :mod:`rkv.offload.stream` builds its default ``"eager"``
+Why one array per tile: a stacked ``pinned_host`` tail moved inside one jitted program did not
+overlap compute on the H200, separate per-tile arrays moved by eager ``jax.device_put`` did
+(docs/DESIGN.md §5, the figures in §7). :mod:`rkv.offload.stream` builds its default ``"eager"``
 schedule on that, and per-tile storage is what it needs.
 
 Flush design (O(tile) by construction): the tail is preallocated for ``capacity`` (every tile
@@ -61,7 +54,7 @@ import numpy as np
 
 from rkv.offload import memory
 
-DEFAULT_TILE_CELLS = 32768  # DESIGN.md §5: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
+DEFAULT_TILE_CELLS = 32768  # docs/DESIGN.md §7: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
 KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 FORMAT = "rkv.RollingKV"
 FORMAT_VERSION = 1

@@ -21,9 +21,8 @@ layer (a ``TacticKV`` or ``HeadSplitKV`` holds RollingKVs) the model runs throug
 cache's eager attention (``rkv.rolling_attention``'s streaming schedule, or the ``cpu`` /
 ``hybrid`` host kernel, which only exist outside ``jit``), and a jitted half after it; resident
 and ring layers run as one jitted block. No step reads a device value back except the host
-kernel's query, so the Python thread dispatches ahead of the device (on the H200, Llama-3-8B
-shape at 128K with half the KV on the host: 320 ms a step with the op-by-op eager model, 167 ms
-layered and with leaner appends, at the PCIe-bound model's 172 ms).
+kernel's query, so the Python thread dispatches ahead of the device (what layering bought on the
+H200: docs/DESIGN.md §7, "decode, op-by-op eager model vs layered_forward").
 
 Batches are unpadded: every row has the same prompt length (positions ``0..T-1``).
 """

@@ -1,4 +1,4 @@
-"""``HeadSplitKV``: the ``head`` tail tactic's cache (DESIGN.md §6).
+"""``HeadSplitKV``: the ``head`` tail tactic's cache (docs/DESIGN.md §4).
 
 The first R KV heads are fully resident on the device (a :class:`rkv.RollingKV` whose window is
 its whole capacity: no tail, no staging); the other ``K - R`` KV heads roll (window W, staging,

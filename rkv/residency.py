@@ -1,7 +1,7 @@
 """Residency planner: device budget → per-layer window cells, tactic table, and the selector.
 
 ``rkv.plan(model_config, context_len, batch, residency=ResidencyConfig(...))`` decides, for every
-attention layer, where its KV cells live and how the tail is attended to (DESIGN.md §6):
+attention layer, where its KV cells live and how the tail is attended to (docs/DESIGN.md §4):
 
 - Everything fits the budget: every layer is resident, nothing else runs (no host bytes).
 - Otherwise sliding-window (local) layers stay resident as a ring of their window, and the global
@@ -166,7 +166,7 @@ class Profile:
   ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
   DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``:
   fixed cost of one small host↔device copy (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
-  tail) hidden under the longer: 1 = perfect overlap (the §6 model, a max), 0 = a sum.
+  tail) hidden under the longer: 1 = perfect overlap (docs/DESIGN.md §6, a max), 0 = a sum.
   ``details``: raw measurements and the reason for each ``None``.
   """
 
@@ -265,7 +265,7 @@ class Profile:
     return cls.from_json(data, where=f"Profile.load({path})")
 
 
-# The H200 of DESIGN.md §5 (jax 0.11.2, bf16, PCIe Gen5 x16, 16-core host): the figures rkv.probe
+# The H200 of docs/DESIGN.md §7 (jax 0.11.2, bf16, PCIe Gen5 x16, 16-core host): the figures rkv.probe
 # measured there with the current CPU kernel (benchmarks/results/profile_h200_v3.json, probed in
 # tactics_bench_h200_run6.json, whose every tactic ran within 0.87-1.11x of this model), rounded.
 # Machines of the kind differ run to run (host read 79.6-97.1 GB/s across five runs): run
@@ -284,14 +284,14 @@ H200_DEFAULT = Profile(
     host_read_gbps=97.06,
     # A 4 KiB pinned_host -> device device_put (median).
     copy_latency_us=139.3,
-    # §6: the model is the max (perfect overlap); §5 measured ~20% hidden for a naive jit.
+    # docs/DESIGN.md §6: the model is the max (perfect overlap), what the eager schedule achieves (§7).
     overlap=1.0,
     device="NVIDIA H200",
-    source="H200_DEFAULT (benchmarks/results/profile_h200_v3.json, DESIGN.md §5)")
+    source="H200_DEFAULT (benchmarks/results/profile_h200_v3.json, docs/DESIGN.md §7)")
 
 
 # ----------------------------------------------------------------------------------------------
-# The performance model (DESIGN.md §6): pure functions of bytes and a Profile
+# The performance model (docs/DESIGN.md §6): pure functions of bytes and a Profile
 # ----------------------------------------------------------------------------------------------
 def combine(a: float, b: float, overlap: float = 1.0) -> float:
   """Two concurrent parts: ``max(a, b) + (1 - overlap) * min(a, b)`` (overlap 1: a max)."""
@@ -511,7 +511,7 @@ def modeled_times(window_bytes: float, tail_bytes: float, profile: Profile, *,
                   partial_copy_s: float = 0.0, tile_bytes: float | None = None,
                   head_bytes: tuple[float, float] | None = None) -> ModeledTimes:
   """Every tactic's modeled step time for a layer with ``Bw = window_bytes`` on the device and
-  ``Bt = tail_bytes`` on the host (DESIGN.md §6). ``resident`` is the time with all
+  ``Bt = tail_bytes`` on the host (docs/DESIGN.md §6). ``resident`` is the time with all
   ``Bw + Bt`` on the device (the ideal). ``head_bytes = (resident heads' bytes, streamed heads'
   bytes)`` of the head layout (None: not modeled)."""
   hyb, frac = hybrid_time(window_bytes, tail_bytes, profile, partial_copy_s, tile_bytes)

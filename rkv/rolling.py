@@ -11,8 +11,8 @@ Schedules (:mod:`rkv.offload.stream` has the H200 measurements behind them):
 
 - ``"eager"`` (default): eager ``jax.device_put`` of each per-tile host array, issued ahead of
   separately dispatched jitted partials (window, staging, one function for every tile), then one
-  jitted merge — the mechanism that overlapped transfer and compute on the H200 (21.2 ms against
-  21.0 ms transfer-only; the in-jit program took 24.1 ms). The tile program compiles once per
+  jitted merge — the mechanism that overlapped transfer and compute on the H200 (docs/DESIGN.md
+  §5, §7). The tile program compiles once per
   tile shape; the merge once per number of tiles (every ``tile_cells`` decoded tokens).
 - ``"unrolled"``: one jitted program taking the tiles as arguments, specialized on the number of
   full tiles (static, from the fill level): compiles once per flush.
@@ -241,7 +241,7 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
                       staged=None):
   """Exact attention of ``q [B,T,H,D]`` over every cell of ``kv``; returns ``(o, lse)``.
 
-  Same semantics as :func:`rkv.attention` (DESIGN.md §3) over the cache's cells and positions;
+  Same semantics as :func:`rkv.attention` (docs/DESIGN.md §2) over the cache's cells and positions;
   ``q_pos [B,T]`` defaults to the last T cells (``fill - T + arange(T)``).
   ``kv``: a :class:`rkv.RollingKV`, or a :class:`rkv.head_split.HeadSplitKV` (tactic ``"head"``).
   ``tactic``: one of ``TACTICS`` (see the module docstring): ``"auto"`` is ``"stream"`` for a

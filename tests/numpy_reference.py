@@ -1,6 +1,6 @@
 """Float64 NumPy attention: the ground truth every backend is tested against.
 
-Written independently of the package (no jax), straight from the contract in DESIGN.md §3.
+Written independently of the package (no jax), straight from the contract in docs/DESIGN.md §2.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 
 
 def visible_mask(q_pos, k_pos, causal=True, window=None):
-  """[B,T,S] bool: key j visible to query i (DESIGN.md §3)."""
+  """[B,T,S] bool: key j visible to query i (docs/DESIGN.md §2)."""
   q = np.asarray(q_pos, np.int64)[:, :, None]
   k = np.asarray(k_pos, np.int64)[:, None, :]
   m = k >= 0

@@ -199,7 +199,7 @@ def test_empty_cache_sees_nothing():
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_no_compute_on_host_data(kv_dtype):
-  # DESIGN.md §4: only data movement may touch the host tail inside a program; a cast or
+  # docs/DESIGN.md §5: only data movement may touch the host tail inside a program; a cast or
   # dequantize there would run on the host CPU. The int8 tail must be dequantized on the device.
   # (make_jaxpr traces, so rolling_attention runs its in-jit "unrolled" schedule here.)
   case = Case("hostcheck", kv_dtype=kv_dtype)

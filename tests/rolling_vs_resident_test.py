@@ -1,4 +1,4 @@
-"""Gate (DESIGN.md §7): every tail tactic decodes the resident path's logits, float32.
+"""Gate (docs/DESIGN.md §8): every tail tactic decodes the resident path's logits, float32.
 
 Each fixture checkpoint (``tests/fixtures/hf/<arch>``) is teacher-forced through resident/ring
 caches and through caches forced to a tiny window (W=5, tile=4: of the 32 cells, most live in the

@@ -1,6 +1,6 @@
 """``ModelConfig``: one frozen description for every supported decoder-only family.
 
-Families are presets over feature switches, not subclasses (DESIGN.md §7):
+Families are presets over feature switches, not subclasses (docs/DESIGN.md §8):
 
 | switch             | Llama-3 | Qwen2      | Mistral   | Gemma-2          | Gemma-3                  |
 | ------------------ | ------- | ---------- | --------- | ---------------- | ------------------------ |

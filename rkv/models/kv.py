@@ -1,6 +1,6 @@
 """Per-layer KV caches of the models, and the one function the attention layer calls on them.
 
-A cache is an explicit pytree passed into the model and returned updated (DESIGN.md §7). The model
+A cache is an explicit pytree passed into the model and returned updated (docs/DESIGN.md §4). The model
 never looks inside it: each attention layer calls :func:`attend` with its cache, which dispatches
 on the cache's type:
 

@@ -2,10 +2,10 @@
 
 Only the query goes down to the host; the host reads the tail where it lives and returns the
 small float32 partial ``(o [B,T,H,D], lse [B,T,H])``, to be merged on the GPU with the window's
-partial by :func:`rkv.merge` (exact LSE merge, DESIGN.md §2). The work is the multi-threaded C
+partial by :func:`rkv.merge` (exact LSE merge, docs/DESIGN.md §2). The work is the multi-threaded C
 kernel ``cpu_kernel.c`` (OpenMP over batch rows x chunks of cells, every K/V byte read once for
 all G*T query rows of its KV head, float32 online softmax, AVX2 on x86-64-v3; built by
-:mod:`rkv.offload.cpu_build`). jnp on the host measured 1.8 GB/s (DESIGN.md §5); this kernel is
+:mod:`rkv.offload.cpu_build`). jnp on the host measured 1.8 GB/s (docs/DESIGN.md §7); this kernel is
 measured by :func:`measure_cpu_attention` against :func:`measure_host_read_bandwidth`.
 
 Inputs are read **in place** through a pointer and element strides, never copied:
@@ -468,7 +468,7 @@ def cpu_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None
   ``[N,B,tile,K,D]``, or a tuple of N tiles ``[B,tile,K,D]`` (the cache tail's layout), read in
   place, in bf16 (``ml_dtypes.bfloat16``), f16, f32 or int8 with ``k_scale, v_scale`` (float32,
   ``[B,S,K]`` or tiled like k). ``k_pos``: ``[B,S]`` or tiled like k (``[N,B,tile]``, tuple of
-  ``[B,tile]``); ``q_pos [B,T]``: the DESIGN.md §3 visibility rule and defaults. ``tiles=(start,
+  ``[B,tile]``); ``q_pos [B,T]``: the docs/DESIGN.md §2 visibility rule and defaults. ``tiles=(start,
   stop)`` restricts tiled inputs to those tiles (a hybrid split; tiles outside are not touched).
   ``num_threads`` defaults to OpenMP's; ``chunk`` (cells per work item) to a shape-only choice.
   Any T works; the kernel is built for decode (T <= 16). The call releases the GIL.

@@ -1,9 +1,9 @@
 /* rkv CPU-tail decode attention: exact (o, lse) over KV cells that live in host memory.
  *
- * The "cpu" tactic (DESIGN.md §6) attends to the pinned-host tail where it lives: only the query
+ * The "cpu" tactic (docs/DESIGN.md §4) attends to the pinned-host tail where it lives: only the query
  * goes down to the host and the small partial (o [B,T,H,D], lse [B,T,H]) comes back to be merged
  * on the GPU. The cost is Bt / CPU_attn_bw, so this kernel is written to stream K/V at a large
- * fraction of host memory bandwidth (jnp on the host measured 1.8 GB/s, DESIGN.md §5).
+ * fraction of host memory bandwidth (jnp on the host measured 1.8 GB/s, docs/DESIGN.md §7).
  *
  * Layout. K/V cells are addressed as N tiles of `tile` cells, each tile given by its own base
  * pointer (a table), with strides shared by all tiles: cell s of batch row b, KV head h is at

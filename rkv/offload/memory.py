@@ -1,18 +1,13 @@
 """Memory kinds, placement helpers, the pinned-host pool check, and compiled-HLO inspection.
 
-What the H200 measured (jax 0.11.2; ``benchmarks/results/rolling_overlap/``), which decides how the
-tail moves: a host→device move **inside one jitted program** (``device_put(tail[i],
-Space.Device)`` of a stacked ``pinned_host`` tail → async ``dynamic-slice-start/-done``) did not
-overlap compute — 24.1 ms a step for a 512K-cell cache half on the host, against 21.0 ms for the
-transfer alone and 0.92 ms for the compute alone; no XLA flag, lookahead or tile size changed it
-(``rb_*.json``). **Eager** ``jax.device_put`` of separate per-tile ``pinned_host`` arrays to the
-device sharding (PJRT's transfer path, its own stream), issued before separately dispatched
-jitted partials, overlapped fully: 21.2 ms (``overlap_probe_h200.json``). So ``rkv.cache`` keeps
+How the tail moves is decided by what the H200 measured (docs/DESIGN.md §5, figures in §7): a
+move inside one jitted program did not overlap compute, eager ``jax.device_put`` of separate
+per-tile ``pinned_host`` arrays did. So ``rkv.cache`` keeps
 one ``pinned_host`` array per tile, flushes with an eager ``device_put`` to :func:`sharding`
 ``(PINNED_HOST)``, and ``rkv.offload.stream``'s default schedule moves tiles with eager
 ``device_put`` s to ``sharding(DEVICE)``.
 
-What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIGN.md §4):
+What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, docs/DESIGN.md §5):
 
 - A CPU device has the memories ``device`` (default), ``pinned_host`` and ``unpinned_host``.
   ``jax.device_put(x, SingleDeviceSharding(dev, memory_kind="pinned_host"))`` gives an array whose
@@ -21,7 +16,7 @@ What was verified with jax 0.11.2 on a CPU backend (the code path CI runs, DESIG
 - Inside ``jit``, ``jax.device_put(host_array[i], jax.memory.Space.Device)`` lowers to
   ``dynamic_slice`` (``slice`` for a static index) + ``reshape``. For GPU (and TPU) jax then adds
   a ``custom_call @annotate_device_placement {_xla_buffer_placement="device"}``, which XLA's host
-  offloader turns into an async DMA (``dynamic-slice-start/-done``, DESIGN.md §5: 48.5 GB/s for
+  offloader turns into an async DMA (``dynamic-slice-start/-done``, docs/DESIGN.md §7: 48.5 GB/s for
   32K-cell tiles); for CPU jax emits no placement op at all (``_common_device_put_lowering``), so
   a CPU compile cannot show transfers. ``jit(f).trace(...).lower(lowering_platforms=("cuda",))``
   works on a CPU-only install and shows the GPU placement ops: :func:`placement_report` counts
@@ -352,7 +347,7 @@ def check_host_memory(host_bytes: int, *, where: str, argument: str = "context_l
 # Only data movement may touch a host array: slicing out a tile (a DMA source), dropping the unit
 # tile axis (a bitcast) and device_put itself. A dynamic_update_slice whose result stays on host is
 # a write (the flush), which XLA's host offloader keeps as a DMA. Anything else becomes host
-# compute on GPU (DESIGN.md §4: a cast or transpose of host data silently runs on the CPU).
+# compute on GPU (docs/DESIGN.md §5: a cast or transpose of host data silently runs on the CPU).
 _HOST_MOVES = {"slice", "dynamic_slice", "squeeze", "reshape", "expand_dims", "device_put"}
 _HOST_WRITES = {"dynamic_update_slice"}
 
@@ -463,7 +458,7 @@ def hlo_report(compiled_text: str) -> dict:
       plain ``copy`` ops across memory spaces (a transfer that blocks its stream);
     ``host_params``: entry parameter arrays laid out in host memory (from the module header);
     ``host_compute``: instructions XLA placed on the host CPU (``_xla_compute_type="host"``: the
-      slow path of DESIGN.md §4);
+      slow path of docs/DESIGN.md §5);
     ``async_ops``: opcode → count of every ``*-start`` op (for eyeballing the schedule).
   On a CPU backend jax emits no placement ops, so only ``host_params`` shows; use
   :func:`placement_report` on a CUDA lowering to check a GPU program's structure from CI.

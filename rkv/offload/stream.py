@@ -6,21 +6,11 @@ The tail arrives as a sequence of :class:`Tile` s, each ``k, v [B,tile,K,D]`` (s
 the caller's ``attend``, and every partial is merged exactly by log-sum-exp.
 
 The streamed tail costs ``Bt / PCIe`` per step and the device partials ``Bw / HBM``; the model
-time is their max only if the transfers overlap the compute (DESIGN.md §6). What the H200 measured
-(jax 0.11.2, bf16, 512K cells, half of them in 8 host tiles of 32K cells, 1 GiB of tail;
-``benchmarks/results/rolling_overlap/``):
-
-- transfers **inside one jitted program** (the tail as one stacked ``pinned_host`` array,
-  ``device_put(tail[i], Space.Device)`` → XLA async ``dynamic-slice-start/-done``,
-  ``scan_128k_w50.hlo.txt``) do **not** overlap compute: 24.1 ms a step against 21.0 ms for the
-  transfer alone and 0.92 ms for the compute alone (sum 21.9). No XLA flag, lookahead or tile
-  size changed that (``rb_*.json``: ``pipe``, ``hmo``, ``prio``, ``lhs``, ``la2``/``la8``,
-  ``t16k``/``t64k``).
-- **per-tile** ``pinned_host`` arrays moved by plain eager ``jax.device_put`` (PJRT's transfer
-  path, on its own stream), all issued before the window's and each tile's attention run as
-  separate jitted calls, then an exact merge: 21.2 ms ≈ the transfer alone — full overlap
-  (``overlap_probe_h200.json``, ``experiments/overlap_probe.py``: ``eager_put``). A tiny jitted
-  fetch per tile from the stacked array overlapped only partly (23.0 ms, ``eager_fetch``).
+time is their max only if the transfers overlap the compute (docs/DESIGN.md §6). On the H200
+transfers inside one jitted program did not overlap compute; per-tile ``pinned_host`` arrays moved
+by eager ``jax.device_put``, issued before separately dispatched jitted partials, did
+(docs/DESIGN.md §5 and §7, "overlap"; a tiny jitted fetch per tile from a stacked array overlapped
+only partly, 23.0 ms against 21.2, ``overlap_probe_h200.json``: ``eager_fetch``).
 
 Schedules:
 

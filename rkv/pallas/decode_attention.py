@@ -1,7 +1,7 @@
 """Split-K decode attention for a few query tokens (T <= 16) over a long KV cache (Pallas, Triton lowering).
 
 Decode is memory bound: each step reads all of K and V once (B=1 H=32 K=8 D=128 bf16 at 512K keys is
-2 GiB; cuDNN does it in 787 us on the H200, DESIGN.md §5) and does ~2*T*G flops per byte. So the kernel
+2 GiB; cuDNN does it in 787 us on the H200, docs/DESIGN.md §7) and does ~2*T*G flops per byte. So the kernel
 is laid out to stream K/V at HBM speed, not to save flops:
 
 - Grid (B, K, N). One program owns one kv head and one contiguous chunk of S (a "split"), so
@@ -44,7 +44,7 @@ from rkv import validation
 
 MAX_QUERY_LEN = 16  # beyond this the packed tile (T*G rows) stops being "decode"; use flash attention.
 
-# H200 (DESIGN.md §5). Programs are small (one [R, D] accumulator, K/V tiles in shared memory), so a few
+# H200 (docs/DESIGN.md §7). Programs are small (one [R, D] accumulator, K/V tiles in shared memory), so a few
 # co-reside per SM. Measured on the H200 (benchmarks/results/kernel_bench_h200_sweep1.json, bf16 D=128):
 # about 2 programs per SM (N=33 at B=1, K=8) beat 4 per SM by 2-10% from 32K to 512K keys.
 _NUM_SMS = 132

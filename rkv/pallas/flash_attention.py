@@ -1,7 +1,7 @@
 """Flash attention (tiled online softmax) as one generic Pallas kernel, positions-aware.
 
 The same kernel compiles through the Pallas Triton lowering on the H200 and runs with
-``interpret=True`` on CPU, so CI tests the code that runs on the GPU. Semantics are DESIGN.md §3:
+``interpret=True`` on CPU, so CI tests the code that runs on the GPU. Semantics are docs/DESIGN.md §2:
 arbitrary ``q_pos``/``k_pos``, ``k_pos < 0`` marks an empty slot whose K/V may be NaN, causal and
 sliding-window masks from positions, softcap, GQA, int8 K/V with per (token, kv head) scales.
 Returns ``o`` (q's dtype) and the natural-log ``lse`` (float32), ``o = 0``/``lse = -inf`` on rows
