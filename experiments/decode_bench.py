@@ -63,7 +63,7 @@ _BUDGET = flags.DEFINE_enum("budget", "fraction", list(decode_bench.BUDGETS),
                             "KV; auto: all free device memory after the weights minus the "
                             "planner's reserve (vram_target_mib=0).")
 _RESERVE = flags.DEFINE_float("reserve_mib", None, "The planner's reserve under --budget=auto "
-                              "(default: derived by the planner, rkv.residency.derive_reserve).")
+                              "(default: derived by the planner, rkv.planner.derive_reserve).")
 _MODE = flags.DEFINE_enum("offload_mode", "auto", list(decode_bench.OFFLOAD_MODES),
                           "Planner mode of rkv_offload (force: force_stream).")
 _TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).")

@@ -46,7 +46,7 @@ _OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
 def main(argv):
   del argv
   # Every batch plans its caches; the planner's "whole cache fits" line would flood the output.
-  logging.getLogger("rkv.residency").setLevel(logging.WARNING)
+  logging.getLogger("rkv.planner").setLevel(logging.WARNING)
   model, _, task = recall.load_recall_model(_MODEL.value, impl=_IMPL.value)
   cfg = niah.NiahConfig(
       lengths=tuple(int(x) for x in _LENGTHS.value),

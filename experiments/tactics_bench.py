@@ -3,7 +3,7 @@
 One layer (bf16, H=32, K=8, D=128, B=1, decode T=1) per context and window fraction (the layer's
 KV budget as a share of its resident bytes): for stream, cpu, hybrid (the planner's split and the
 --hybrid_splits around it) and head (the planner's R whole resident heads), the measured step
-(median after warm-up, block_until_ready), the modeled step from rkv.residency with a profile
+(median after warm-up, block_until_ready), the modeled step from rkv.planner with a profile
 measured in the same run by rkv.probe (or --profile), measured/modeled, each output's error
 against the resident one, the selector's pick vs the measured-fastest tactic (fastest / within
 5%), and the CPU kernel's read GB/s vs the host read bandwidth (target >= half). Writes JSON and

@@ -48,9 +48,9 @@ Device bytes: the weights read per step (all but the input embedding table, of w
 one row) plus every layer's K/V (+ int8 scales) attended on the device (window and staging
 buffers; a resident layer's whole cache); tail bytes: the full host tiles at the fill, the cells a
 step streams or reads on the host. Link rate of a layer: ``stream`` PCIe (``pcie_gbps``),
-``cpu`` the CPU attention rate (:func:`rkv.residency.cpu_rate`: ``cpu_attn_gbps``, capped by
+``cpu`` the CPU attention rate (:func:`rkv.planner.cpu_rate`: ``cpu_attn_gbps``, capped by
 ``host_read_gbps``), ``hybrid`` both sides at once at their contended rates
-(:func:`rkv.residency.hybrid_rates`, summed: an optimal split moves the tail at their sum).
+(:func:`rkv.planner.hybrid_rates`, summed: an optimal split moves the tail at their sum).
 Layers run one after another, so their tail times add. Fixed costs (call overheads, the first
 transfer's latency) are not in the bound. Rates are the plan's profile's (``profile_path``). The
 row gets ``bound_s``, ``bound_tokens_per_s`` (``batch / bound_s``), ``bound_ratio`` (``step_s /
@@ -141,7 +141,7 @@ class BenchConfig:
   offload_mode: str = "auto"
   budget: str = "fraction"
   # The planner's reserve under budget="auto" (MiB); None: derived from the run
-  # (rkv.residency.derive_reserve: tiles in flight, decode partials, a prefill chunk, logits,
+  # (rkv.planner.derive_reserve: tiles in flight, decode partials, a prefill chunk, logits,
   # workspace; ~1.04 GiB for Llama-3-8B at B=1).
   reserve_mib: float | None = None
   tile_cells: int = 32768
@@ -338,10 +338,10 @@ def step_bound(device_bytes: float, hbm_gbps: float,
 
 def link_rates_gbps(profile) -> dict[str, float | None]:
   """GB/s of each tactic's host link under ``profile`` (an rkv.Profile): ``stream`` PCIe,
-  ``cpu`` :func:`rkv.residency.cpu_rate`, ``hybrid`` the sum of
-  :func:`rkv.residency.hybrid_rates` (both sides at their contended rates; an optimal split
+  ``cpu`` :func:`rkv.planner.cpu_rate`, ``hybrid`` the sum of
+  :func:`rkv.planner.hybrid_rates` (both sides at their contended rates; an optimal split
   moves the tail at their sum). None: the profile has no CPU figure."""
-  from rkv import residency
+  from rkv import planner as residency
   cpu = residency.cpu_rate(profile)
   hyb = residency.hybrid_rates(profile)
   return dict(stream=float(profile.pcie_gbps), cpu=None if cpu is None else cpu / GB,

@@ -25,7 +25,7 @@ from lab import niah
 from rkv import gates
 from rkv import generate as gen
 from rkv import recall
-from rkv.residency import MIB, ResidencyConfig, WINDOW_ALIGN, plan as make_plan
+from rkv.planner import MIB, ResidencyConfig, WINDOW_ALIGN, plan as make_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ def tactic_caches(config, tactic: str, batch: int, capacity: int, *, window_cell
   tail's tiles on the CPU, ``head`` keeps ``resident_heads`` KV heads whole on the device."""
   from rkv import generate as gen
   from rkv import models
-  from rkv.residency import ResidencyConfig, plan as make_plan
+  from rkv.planner import ResidencyConfig, plan as make_plan
 
   if tactic not in TACTICS:
     raise ValueError(f"tactic_caches: tactic must be one of {TACTICS}, got {tactic!r}")

@@ -15,7 +15,7 @@ fraction. In one process, so the figures are comparable (docs/DESIGN.md §7: ±1
    ``rkv.rolling_attention`` per tactic — ``stream``; ``cpu``; ``hybrid`` at the planner's split
    and the ``hybrid_splits`` around it; ``head`` — and the all-resident baseline. Each output is
    compared with the resident one (``max_abs_err``).
-4. Modeled: each measured configuration's step from :mod:`rkv.residency` with the profile of (1)
+4. Modeled: each measured configuration's step from :mod:`rkv.planner` with the profile of (1)
    and the configuration's actual bytes (device read, streamed tiles, CPU tiles); ``ratio =
    measured / modeled``.
 5. Verdict per (context, fraction): the selector's pick vs the measured-fastest offload tactic
@@ -42,7 +42,7 @@ import numpy as np
 import rkv
 from rkv import benchmarking
 from rkv import probe as probe_lib
-from rkv import residency
+from rkv import planner as residency
 from rkv import rolling
 from rkv.head_split import HeadSplitKV
 from lab import rolling_bench
@@ -146,7 +146,7 @@ def _shape(cfg: TacticsConfig) -> residency.AttentionShape:
 
 
 def _budget_mib(cfg: TacticsConfig, context: int, frac: float) -> float:
-  sz = residency._sizes(_shape(cfg), cfg.batch)  # the planner's own byte arithmetic
+  sz = residency.cell_sizes(_shape(cfg), cfg.batch)  # the planner's own byte arithmetic
   return sz.resident(context) * float(frac) / residency.MIB
 
 
@@ -186,7 +186,7 @@ def _copy_s(cfg: TacticsConfig, profile: residency.Profile) -> float:
 def hybrid_time_at(device_read: float, tile_bytes: float, n_tiles: int, n_cpu: int,
                    profile: residency.Profile, partial_copy_s: float = 0.0) -> float | None:
   """Modeled step of a hybrid with ``n_cpu`` of ``n_tiles`` tiles on the CPU, the others streamed
-  (:func:`rkv.residency.hybrid_time_at`: the model's tail term at a fixed split, contended rates
+  (:func:`rkv.planner.hybrid_time_at`: the model's tail term at a fixed split, contended rates
   and fixed costs included). ``n_cpu == 0`` is the stream tactic, ``n_cpu == n_tiles`` the cpu
   tactic."""
   return residency.hybrid_time_at(device_read, tile_bytes, n_tiles, n_cpu, profile,

@@ -25,10 +25,10 @@ from rkv import cache, offload
 from rkv.cache import KVBlock, RollingKV
 from rkv.rolling import rolling_attention
 from rkv.head_split import HeadSplitKV
-from rkv import residency
+from rkv import planner, residency
 from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
-from rkv.residency import AttentionShape, Plan, Profile, ResidencyConfig, plan
+from rkv.planner import AttentionShape, Plan, Profile, ResidencyConfig, plan
 
 __all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
            "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "merge", "merge_partials",

@@ -194,7 +194,7 @@ def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
   with the tactic's mode (e.g. ``ResidencyConfig(vram_target_mib=<tiny>)``), and must give at
   least one layer that tactic."""
   from rkv import generate as gen
-  from rkv.residency import MODE_TACTIC, ResidencyConfig, plan as make_plan
+  from rkv.planner import MODE_TACTIC, ResidencyConfig, plan as make_plan
 
   where = "tactic_plan"
   check_tactics([tactic], where)
@@ -282,7 +282,7 @@ def equivalence_gate(*, checkpoint: str | None = None, preset: str | None = None
 
   from rkv import generate as gen
   from rkv import models
-  from rkv.residency import ResidencyConfig
+  from rkv.planner import ResidencyConfig
 
   if (checkpoint is None) == (preset is None):
     raise ValueError("equivalence_gate: pass exactly one of checkpoint and preset")

@@ -37,20 +37,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkv import residency
+from rkv import planner
 from rkv import rolling
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV, _check_heads
 from rkv.models.kv import ROLLING_TACTICS, ResidentCache, RingCache, TacticKV
 from rkv.models.transformer import jit_forward, layered_forward
-from rkv.residency import LayerPlan, Plan
+from rkv.planner import LayerPlan, Plan
 from rkv.rolling import DEFAULT_CPU_FRACTION
 
 DEFAULT_CHUNK = 512
 # Prompts at least this long print a progress line every PROGRESS_EVERY chunks.
 PROGRESS_MIN_TOKENS = 8192
 PROGRESS_EVERY = 8
-# Every tactic the planner names (rkv.residency.TACTICS) is served by caches_from_plan.
+# Every tactic the planner names (rkv.planner.TACTICS) is served by caches_from_plan.
 SUPPORTED_TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
 FORCED_TACTICS = ("stream", "cpu", "hybrid", "head")  # what force_tactic can impose
 
@@ -63,7 +63,7 @@ def cpu_fraction(lp: LayerPlan) -> float | None:
   ``rkv.rolling_attention(cpu_fraction=...)`` takes; None for every other tactic.
 
   The planner stores the other side: ``lp.hybrid_fraction`` is the share *streamed*, in whole
-  tiles of the full tail (``n_stream / n``, :func:`rkv.residency.hybrid_split`), so this is
+  tiles of the full tail (``n_stream / n``, :func:`rkv.planner.hybrid_split`), so this is
   ``1 - hybrid_fraction``; rolling_attention rounds ``cpu_fraction * n`` half up, which gives back
   ``n - n_stream`` tiles at full fill. A hybrid layer planned without a CPU figure has no modeled
   split (``hybrid_fraction`` None; the planner warns): it gets an even split,
@@ -163,7 +163,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   the plan does, ``hybrid_fraction = 1 - cpu_fraction`` (the share streamed).
   ``resident_heads`` (``head`` only): R in ``[0, K]`` KV heads kept whole on the device, W and
   the tile then describe the other heads. Byte fields are recomputed with the planner's own
-  arithmetic (K/V, scales and positions, :func:`rkv.residency._layout`); the modeled ``times``
+  arithmetic (K/V, scales and positions, :func:`rkv.planner.layer_layout`); the modeled ``times``
   are left as planned (a forced layout is not the planner's choice).
   """
   where = "force_tactic"
@@ -182,7 +182,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
     r = _check_heads(resident_heads, s.num_kv_heads, where)
   if tactic == "hybrid":  # the same check as rolling_attention's
     streamed = 1.0 - rolling._check_fraction(cpu_fraction, tactic, where)
-  lay = residency._layout(residency._sizes(s, plan.batch), cap, window_cells, tile_cells, r or 0)
+  lay = planner.layer_layout(planner.cell_sizes(s, plan.batch), cap, window_cells, tile_cells, r or 0)
   layers = []
   for lp in plan.layers:
     if lp.kind == "global" or local:

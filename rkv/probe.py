@@ -56,12 +56,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import benchmarking
-from rkv import residency
+from rkv import planner
 from rkv import rolling
 from rkv.cache import RollingKV
 from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import memory
-from rkv.residency import FIGURES, GB, MIB, H200_DEFAULT, Profile, default_profile_path
+from rkv.planner import FIGURES, GB, MIB, H200_DEFAULT, Profile, default_profile_path
 
 __all__ = ["FIGURES", "ProbeConfig", "Profile", "H200_DEFAULT", "default_profile_path",
            "fit_cost", "fit_line", "measure_contention", "measure_copy_latency_us",
@@ -120,14 +120,14 @@ class ProbeConfig:
     if self.warmup < 0 or not (self.latency_kib > 0) or not (self.host_read_mib > 0):
       raise ValueError(f"{where}: warmup must be >= 0, latency_kib and host_read_mib > 0")
     if (len(set(self.tail_tiles)) < 2 or
-        any(not residency._is_int(n) or n < 1 for n in self.tail_tiles)):
+        any(not planner.is_int(n) or n < 1 for n in self.tail_tiles)):
       raise ValueError(f"{where}: tail_tiles must hold at least two distinct positive tile "
                        f"counts (a line is fit), got {self.tail_tiles!r}")
-    if (not residency._is_int(self.contention_tiles) or self.contention_tiles < 0
+    if (not planner.is_int(self.contention_tiles) or self.contention_tiles < 0
         or self.contention_tiles == 1):
       raise ValueError(f"{where}: contention_tiles must be 0 (not measured) or >= 2 (a tile on "
                        f"each side), got {self.contention_tiles!r}")
-    if self.cpu_threads is not None and (not residency._is_int(self.cpu_threads)
+    if self.cpu_threads is not None and (not planner.is_int(self.cpu_threads)
                                          or self.cpu_threads < 1):
       raise ValueError(f"{where}: cpu_threads must be None or a positive int, got "
                        f"{self.cpu_threads!r}")
@@ -339,7 +339,7 @@ class _Tail:
 
 
 def _tail(cfg: ProbeConfig, n_tiles: int) -> _Tail:
-  w, tile = residency.WINDOW_ALIGN, cfg.cpu_tile_cells
+  w, tile = planner.WINDOW_ALIGN, cfg.cpu_tile_cells
   s = w + n_tiles * tile
   dt = jnp.dtype(cfg.dtype)
   # Attention is memory bound and value-independent: constant cells time like random ones and
@@ -491,9 +491,9 @@ def _self_check(prof: Profile, details: dict) -> None:
   if not isinstance(tail, Mapping):
     return
   for r in fit.get("rows", []) if isinstance(fit, Mapping) else []:
-    r["tactic_modeled_s"] = residency.cpu_time(tail["window_bytes"], r["bytes"], prof)
+    r["tactic_modeled_s"] = planner.cpu_time(tail["window_bytes"], r["bytes"], prof)
   if isinstance(con, Mapping):
-    con["hybrid_modeled_s"] = residency.hybrid_time_at(
+    con["hybrid_modeled_s"] = planner.hybrid_time_at(
         tail["window_bytes"], con["tile_bytes"], con["tiles"], con["cpu_tiles"], prof)
 
 

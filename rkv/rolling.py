@@ -21,7 +21,7 @@ Under an outer ``jax.jit`` (the cache's arrays or the query are tracers) the eag
 run — it is a Python loop of dispatches over concrete arrays — so ``rolling_attention`` falls back
 to ``"unrolled"``, which gives the same result.
 
-Tactics (``TACTICS``; the planner, :mod:`rkv.residency`, picks one per layer — ``"auto"`` here
+Tactics (``TACTICS``; the planner, :mod:`rkv.planner`, picks one per layer — ``"auto"`` here
 does **not** consult a profile: it is ``"stream"`` for a :class:`rkv.RollingKV` and ``"head"`` for
 a :class:`rkv.head_split.HeadSplitKV`):
 
@@ -62,7 +62,7 @@ from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import stream
 
 # "auto": "stream" for a RollingKV, "head" for a HeadSplitKV (no profile is consulted here: the
-# planner, rkv.residency, names each layer's tactic).
+# planner, rkv.planner, names each layer's tactic).
 TACTICS = ("auto", "stream", "cpu", "hybrid", "head")
 DEFAULT_CPU_FRACTION = 0.5
 SCHEDULES = stream.SCHEDULES
@@ -246,7 +246,7 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   ``kv``: a :class:`rkv.RollingKV`, or a :class:`rkv.head_split.HeadSplitKV` (tactic ``"head"``).
   ``tactic``: one of ``TACTICS`` (see the module docstring): ``"auto"`` is ``"stream"`` for a
   RollingKV and ``"head"`` for a HeadSplitKV — it does not consult a profile (the planner,
-  :mod:`rkv.residency`, names each layer's tactic); ``"cpu"`` attends to the tail's full tiles on
+  :mod:`rkv.planner`, names each layer's tactic); ``"cpu"`` attends to the tail's full tiles on
   the host CPU concurrently with the device partials; ``"hybrid"`` sends the last
   ``floor(cpu_fraction * n_full_tiles + 0.5)`` tiles to the CPU and streams the others, concurrently.
   ``"cpu"`` and ``"hybrid"`` need concrete arrays (``ValueError`` under an outer ``jax.jit``).

@@ -84,7 +84,7 @@ def test_budget_to_window_by_hand():
         "stream", 1664, 512, 2432, 2048)
     assert lp.device_bytes == 2176 * 256 + 4 * (2176 + 2048) == 573_952
     assert lp.host_bytes == 2048 * CELL == 524_288
-  assert rz._layout(rz._sizes(shape(), 1), CTX, 1664 + WINDOW_ALIGN, 512).device_bytes > 600_000
+  assert rz.layer_layout(rz.cell_sizes(shape(), 1), CTX, 1664 + WINDOW_ALIGN, 512).device_bytes > 600_000
   # Its modeled times are the model's on the same bytes: window + staged remainder on the device.
   lp = p.layers[0]
   bw, bt = (CTX - 2048) * CELL, 2048 * CELL
@@ -316,7 +316,7 @@ def test_partial_copy_by_hand():
 ])
 def test_selector_on_synthetic_profiles(pcie, cpu_gbps, want, caplog):
   prof = dataclasses.replace(FLAT, pcie_gbps=pcie, cpu_attn_gbps=cpu_gbps)
-  with caplog.at_level(logging.INFO, logger="rkv.residency"):
+  with caplog.at_level(logging.INFO, logger="rkv.planner"):
     p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof))
   check_invariants(p)
   assert p.tactics() == (want, want)

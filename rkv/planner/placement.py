@@ -1,0 +1,308 @@
+""":func:`plan`: device budget → per-layer window cells, tactic table (:class:`Plan` of
+:class:`LayerPlan` s) and the selector's pick (docs/DESIGN.md §4 step 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+
+from rkv.planner.budget import (Reserve, check_device_fit, format_bytes, format_number,
+                                kv_budget_bytes, resolve_reserve, streamed_tile_bytes)
+from rkv.planner.config import MODE_TACTIC, ResidencyConfig
+from rkv.planner.cost import (TACTICS, ModeledTimes, head_time, modeled_times, partial_copy_time,
+                              resident_time, select)
+from rkv.planner.layout import (WINDOW_ALIGN, best_layout, cell_sizes, floor_align, head_layout,
+                                layer_layout)
+from rkv.planner.profile import MIB, Profile, is_int
+from rkv.planner.shape import AttentionShape, attention_shape
+
+log = logging.getLogger("rkv.planner")
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """One layer's placement. ``kind``: global / local. ``tactic``: one of TACTICS.
+
+  ``capacity``: cells the layer's cache holds (a local layer: its ring, ``min(window,
+  context_len)``). ``window_cells`` W and ``tail_cells`` P = capacity - W as in
+  :class:`rkv.RollingKV` (resident: W = capacity, P = 0). For ``"head"``, ``resident_heads`` of
+  the K heads keep all ``capacity`` cells on the device and W, P, tile describe the other heads'
+  rolling cache. ``host_cells``: tail cells in whole host tiles (the rest of P sits in the device
+  staging tile). ``device_bytes`` counts K/V, scales and positions of window, staging and tail
+  positions; ``host_bytes`` the pinned-host tail. ``times``: every tactic's modeled step seconds
+  (None: not applicable; "resident" of an overflowing layer is the ideal it cannot have).
+  """
+
+  layer: int
+  kind: str
+  tactic: str
+  capacity: int
+  window_cells: int
+  tail_cells: int
+  tile_cells: int | None
+  host_cells: int
+  resident_heads: int | None
+  device_bytes: int
+  host_bytes: int
+  times: Mapping[str, float | None]
+  hybrid_fraction: float | None = None
+  sliding_window: int | None = None
+
+  @property
+  def step_time_s(self) -> float | None:
+    return self.times.get(self.tactic)
+
+  @property
+  def offloaded(self) -> bool:
+    return self.host_bytes > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The per-layer tactic table. ``str(plan)`` / ``plan.table()`` print it with totals."""
+
+  layers: tuple[LayerPlan, ...]
+  context_len: int
+  batch: int
+  mode: str
+  kv_dtype: str
+  budget_bytes: int
+  profile: Profile
+  shape: AttentionShape
+  # How the budget was made (``vram_target_mib=...`` or free memory minus the reserve), the
+  # reserve kept beside the caches (:func:`derive_reserve`; for an explicit vram_target_mib, the
+  # one the free-memory check used) and the device's free memory at planning (None: unknown).
+  budget_source: str = ""
+  reserve: Reserve | None = None
+  free_bytes: int | None = None
+
+  @property
+  def reserve_bytes(self) -> int:
+    return 0 if self.reserve is None else self.reserve.total
+
+  @property
+  def fits(self) -> bool:
+    """True when every layer is resident (nothing on the host)."""
+    return self.host_bytes == 0
+
+  @property
+  def device_bytes(self) -> int:
+    return sum(lp.device_bytes for lp in self.layers)
+
+  @property
+  def host_bytes(self) -> int:
+    return sum(lp.host_bytes for lp in self.layers)
+
+  @property
+  def step_time_s(self) -> float | None:
+    """Modeled decode-step attention seconds over all layers (None if a tactic is unmodeled)."""
+    times = [lp.step_time_s for lp in self.layers]
+    return None if any(t is None for t in times) else sum(times)
+
+  @property
+  def resident_step_time_s(self) -> float:
+    """The same step with every layer resident (the ideal the plan is measured against)."""
+    return sum(lp.times["resident"] for lp in self.layers)
+
+  def tactics(self) -> tuple[str, ...]:
+    return tuple(lp.tactic for lp in self.layers)
+
+  def table(self) -> str:
+    us = lambda t: "-" if t is None else f"{t * 1e6:.1f}"
+    mib = lambda b: f"{b / MIB:.1f}"
+    cols = ["layer", "kind", "tactic", "W", "P", "tile", "heads", "device_MiB", "host_MiB"]
+    cols += [f"{t}_us" for t in TACTICS] + ["hybrid_f"]
+    rows = []
+    for lp in self.layers:
+      row = [str(lp.layer), lp.kind if lp.sliding_window is None else f"local:{lp.sliding_window}",
+             lp.tactic, str(lp.window_cells), str(lp.tail_cells),
+             "-" if lp.tile_cells is None else str(lp.tile_cells),
+             "-" if lp.resident_heads is None else f"{lp.resident_heads}/{self.shape.num_kv_heads}",
+             mib(lp.device_bytes), mib(lp.host_bytes)]
+      row += [us(lp.times.get(t)) + ("*" if t == lp.tactic else "") for t in TACTICS]
+      row.append("-" if lp.hybrid_fraction is None else f"{lp.hybrid_fraction:.3f}")
+      rows.append(row)
+    counts = {}
+    for lp in self.layers:
+      counts[lp.tactic] = counts.get(lp.tactic, 0) + 1
+    total = ["total", f"{len(self.layers)}", ",".join(f"{k}:{v}" for k, v in counts.items()),
+             "", "", "", "", mib(self.device_bytes), mib(self.host_bytes)]
+    total += [""] * len(TACTICS) + [""]
+    widths = [max(len(c), *(len(r[i]) for r in rows + [total])) for i, c in enumerate(cols)]
+    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))
+    s = self.shape
+    step = self.step_time_s
+    lines = [
+        f"rkv plan: context_len={self.context_len} batch={self.batch} L={s.num_layers} "
+        f"K={s.num_kv_heads} D={s.head_dim} kv_dtype={self.kv_dtype} mode={self.mode}",
+        f"budget {mib(self.budget_bytes)} MiB ({self.budget_source or 'vram_target_mib'}); "
+        f"reserve {mib(self.reserve_bytes)} MiB"
+        f"{'' if self.reserve is None else f' ({self.reserve.describe()})'}"
+        f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
+        f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
+        fmt(cols), *(fmt(r) for r in rows), fmt(total),
+        f"totals: device {mib(self.device_bytes)} MiB of {mib(self.budget_bytes)} MiB budget, "
+        f"host {mib(self.host_bytes)} MiB; modeled step {us(step)} us "
+        f"(all resident: {us(self.resident_step_time_s)} us)"]
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def plan(model_config, context_len: int, batch: int = 1, *,
+         residency: ResidencyConfig | None = None, memory_stats: Mapping | None = None) -> Plan:
+  """Places every layer's KV cache within the budget and names its tactic (module docstring).
+
+  ``context_len``: cells each global layer's cache holds (prompt plus generated tokens).
+  ``memory_stats``: the device's ``memory_stats()`` (default: ask device 0), read for
+  ``vram_target_mib=0`` and, with ``check_free``, to check an explicit target. Raises ValueError
+  naming the argument on bad input, and naming ``vram_target_mib`` with the bytes needed when not
+  even the rings and minimal windows fit, or (``check_free``) when the plan's device bytes plus
+  the reserve exceed the free device memory (:func:`check_device_fit`); a host tail above the
+  pinned pool (:func:`rkv.offload.memory.check_host_pool`) or, with ``check_free``, the host's
+  available RAM (:func:`rkv.offload.memory.check_host_memory`) is refused too. The reserve and
+  how it was made are logged and kept in ``Plan.reserve``.
+  """
+  cfg = ResidencyConfig() if residency is None else residency
+  if not isinstance(cfg, ResidencyConfig):
+    raise ValueError(f"plan: residency must be a rkv.ResidencyConfig, got {type(cfg).__name__}")
+  for name, val in (("context_len", context_len), ("batch", batch)):
+    if not is_int(val) or val < 1:
+      raise ValueError(f"plan: {name} must be a positive int, got {val!r}")
+  shape = attention_shape(model_config, cfg.kv_dtype)
+  profile = cfg.resolve_profile()
+  sz = cell_sizes(shape, batch)
+  from rkv.offload import memory
+  explicit = bool(cfg.vram_target_mib)
+  stats = memory_stats
+  if stats is None and (not explicit or cfg.check_free):
+    import jax
+    stats = jax.devices()[0].memory_stats()
+    if stats:
+      memory.check_memory_fraction("plan", memory_stats=stats)
+  has_stats = bool(stats) and "bytes_limit" in stats
+  free = (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))) if has_stats else None
+  # vram_target_mib=0: the budget is free memory minus the reserve, so the reserve comes first
+  # (tiles of tile_cells, the most any layer streams). An explicit target: the reserve is that
+  # of the plan made (its largest streamed tile), and the plan is checked against free memory.
+  reserve = None if explicit else resolve_reserve(cfg, shape, batch, model_config,
+                                                  context_len=context_len)
+  budget = kv_budget_bytes(cfg, memory_stats=stats, reserve=reserve)
+  budget_src = (f"vram_target_mib={format_number(cfg.vram_target_mib)}" if explicit else
+                "vram_target_mib=0: free device memory minus the reserve")
+  if reserve is not None:
+    log.info("plan: budget %s = free %s - reserve %s (%s)", format_bytes(budget), format_bytes(free),
+             format_bytes(reserve.total), reserve.describe())
+
+  def finish(layers) -> Plan:
+    res = reserve
+    if res is None:
+      res = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
+                            tile_bytes=streamed_tile_bytes(layers, sz))
+      log.info("plan: %s; reserve %s (%s)%s", budget_src, format_bytes(res.total), res.describe(),
+               "" if free is None else f"; device free {format_bytes(free)}")
+    result = Plan(layers=tuple(layers), context_len=context_len, batch=batch, mode=cfg.mode,
+                  kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape,
+                  budget_source=budget_src, reserve=res, free_bytes=free)
+    memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
+    if cfg.check_free:
+      if explicit and has_stats:
+        check_device_fit(result, cfg, stats, resolve_reserve(cfg, shape, batch, model_config,
+                                                             context_len=context_len))
+      memory.check_host_memory(result.host_bytes, where="plan", argument="context_len")
+    return result
+  q_itemsize = 4 if shape.kv_dtype == "float32" else 2
+  copy_s = partial_copy_time(profile, batch=batch, num_heads=shape.query_heads,
+                             head_dim=shape.head_dim, q_itemsize=q_itemsize)
+
+  local = [i for i, w in enumerate(shape.layer_windows) if w is not None]
+  glob = [i for i, w in enumerate(shape.layer_windows) if w is None]
+  ring = {i: min(shape.layer_windows[i], context_len) for i in local}
+  ring_bytes = sum(sz.resident(c) for c in ring.values())
+  full_bytes = sz.resident(context_len)
+  need_resident = ring_bytes + len(glob) * full_bytes
+
+  def resident_layer(i, cells):
+    return LayerPlan(layer=i, kind="local" if i in ring else "global", tactic="resident",
+                     capacity=cells, window_cells=cells, tail_cells=0, tile_cells=None,
+                     host_cells=0, resident_heads=None, device_bytes=sz.resident(cells),
+                     host_bytes=0, times={t: None for t in TACTICS} | {
+                         "resident": resident_time(batch * cells * sz.cell, profile)},
+                     sliding_window=shape.layer_windows[i])
+
+  if need_resident <= budget:
+    layers = tuple(resident_layer(i, ring.get(i, context_len)) for i in range(shape.num_layers))
+    log.info("plan: the whole cache fits (%s of %s): every layer resident",
+             format_bytes(need_resident), format_bytes(budget))
+    return finish(layers)
+  if cfg.mode == "resident":
+    raise ValueError(f"plan: mode='resident' needs {format_bytes(need_resident)} of device memory "
+                     f"for the KV cache, but {budget_src} gives {format_bytes(budget)}: raise "
+                     f"vram_target_mib or pick an offloading mode")
+
+  forced = MODE_TACTIC.get(cfg.mode)
+  per_layer = (budget - ring_bytes) // len(glob) if glob else 0
+  win = best_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
+  heads = head_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
+  usable = heads if forced == "head" else (win or heads) if forced is None else win
+  if usable is None:
+    # The smallest layout: W = min_window_cells (0 for "head"), one staging tile of
+    # min_tile_cells (or the whole context when shorter), every cell's position.
+    tile = min(cfg.min_tile_cells, floor_align(context_len)) or WINDOW_ALIGN
+    w_min = 0 if forced == "head" else cfg.min_window_cells
+    per_min = layer_layout(sz, context_len, min(w_min, context_len), min(tile, context_len)
+                      ).device_bytes
+    need = ring_bytes + len(glob) * per_min
+    raise ValueError(
+        f"plan: {budget_src} gives a KV budget of {format_bytes(budget)}, below the minimum layout "
+        f"of about {format_bytes(need)}: {len(local)} sliding-window rings "
+        f"({format_bytes(ring_bytes)}) + {len(glob)} global layers x {format_bytes(per_min)} (W={w_min}"
+        f", one staging tile of {tile} cells, positions). Raise vram_target_mib to at least "
+        f"{math.ceil(need / MIB)} MiB, or shorten context_len / batch, or use an int8 kv_dtype.")
+
+  log.info("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
+           "profile %s: %s", len(glob), format_bytes(budget), format_bytes(ring_bytes),
+           format_bytes(per_layer), profile.source or profile.device, profile.describe())
+  # With a prefetcher (layered_forward's, prefetch_tiles > 0) a layer's streamed tiles are
+  # requested while the layers before it run, so the per-stream fixed cost (0.79 ms on the H200,
+  # the request and first-tile latency) is paid under other work, not once per layer: the
+  # stream and hybrid times are modeled without it. The head tactic's rolled heads stream inside
+  # their own call (no prefetch), so its time keeps it.
+  stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
+                    else profile)
+  layers = []
+  for i in range(shape.num_layers):
+    if i in ring:
+      layers.append(resident_layer(i, ring[i]))
+      continue
+    tile_bytes = batch * win.tile * sz.cell if win is not None else None
+    if win is not None:
+      mt = modeled_times(win.device_read, win.host_read, stream_profile, partial_copy_s=copy_s,
+                         tile_bytes=tile_bytes,
+                         head_bytes=None)
+      if heads is not None:
+        mt = dataclasses.replace(mt, head=head_time(heads.device_read, heads.host_read, profile))
+    else:
+      mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
+                        head=head_time(heads.device_read, heads.host_read, profile))
+    times = mt.as_dict()
+    tactic = forced or select(times)
+    if forced in ("cpu", "hybrid") and times[forced] is None:
+      log.warning("plan: mode=%r but the profile has no cpu_attn_gbps: layer %d's time is not "
+                  "modeled", cfg.mode, i)
+    lay = heads if tactic == "head" else win
+    if cfg.mode == "auto":
+      log.info("plan: layer %d -> %s (modeled us: %s; hybrid streams %.3f of the tail; W=%d "
+               "P=%d tile=%d)", i, tactic,
+               ", ".join(f"{k}={'-' if v is None else f'{v * 1e6:.1f}'}" for k, v in times.items()),
+               mt.hybrid_fraction or 0.0, lay.window, context_len - lay.window, lay.tile)
+    layers.append(LayerPlan(
+        layer=i, kind="global", tactic=tactic, capacity=context_len, window_cells=lay.window,
+        tail_cells=context_len - lay.window, tile_cells=lay.tile, host_cells=lay.host_cells,
+        resident_heads=lay.resident_heads if tactic == "head" else None,
+        device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, times=times,
+        hybrid_fraction=mt.hybrid_fraction))
+  return finish(layers)
