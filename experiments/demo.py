@@ -14,13 +14,15 @@ import json
 from absl import app, flags
 
 from lab import demo
+from rkv import tactics
 
 _CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.")
 _DEPTH = flags.DEFINE_float("depth", 0.5, "Needle depth: 0 = start of the haystack, 1 = end.")
 _SHARE = flags.DEFINE_float("device_share", 0.2, "Share of the KV bytes the plan keeps on the "
                             "device (the rest goes to the host tail).")
-_MODE = flags.DEFINE_enum("mode", "auto", ["auto", "window", "cpu", "hybrid", "head"],
-                          "Planner mode (auto: the selector picks each layer's tactic).")
+_MODE = flags.DEFINE_enum("mode", "auto", list(tactics.MODES) + ["window"],
+                          "Planner mode (auto: the selector picks each layer's tactic; window: "
+                          "the deprecated name of stream).")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner (default: "
                                "~/.cache/rkv/profile.json if present, else rkv.H200_DEFAULT).")
 _TILE = flags.DEFINE_integer("tile_cells", 1024, "Largest host-tail tile (cells).")

@@ -23,6 +23,7 @@ CPU smoke run:
 from absl import app, flags
 
 from rkv import probe
+from rkv import tactics
 from lab import tactics_bench
 
 _P = probe.ProbeConfig()  # the probe flags' defaults are the library's
@@ -30,7 +31,7 @@ _P = probe.ProbeConfig()  # the probe flags' defaults are the library's
 _CONTEXTS = flags.DEFINE_list("contexts", ["262144", "1048576"], "Context lengths (cells).")
 _FRACTIONS = flags.DEFINE_list("window_fractions", ["0.75", "0.25"],
                                "The layer's KV budget as a share of its resident bytes.")
-_TACTICS = flags.DEFINE_list("tactics", ["stream", "cpu", "hybrid", "head"], "Tactics measured.")
+_TACTICS = flags.DEFINE_list("tactics", list(tactics.OFFLOADED), "Tactics measured.")
 _SPLITS = flags.DEFINE_list("hybrid_splits", ["plan", "plan-1", "plan+1"],
                             "Hybrid rows: 'plan' (the planner's split), 'plan+N'/'plan-N' (N more "
                             "/ fewer CPU tiles) or a CPU share of the tiles in [0, 1].")

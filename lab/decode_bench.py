@@ -107,7 +107,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 GB = 1e9  # the profile's GB/s are 1e9 bytes per second
 CONFIGS = ("rkv_resident", "rkv_offload", "hf_static", "hf_offloaded")
-OFFLOAD_MODES = ("auto", "window", "force")
+# "window": the old name of the stream mode (benchmarks/README.md commands use it).
+OFFLOAD_MODES = ("auto", "stream", "window", "force")
 # How rkv_offload's device budget is set: "fraction": (1 - offload_fraction) of the KV bytes;
 # "auto": vram_target_mib=0, all free device memory after the weights minus the planner's reserve.
 BUDGETS = ("fraction", "auto")
@@ -118,7 +119,7 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 # Plan tactics whose caches the synthetic fill builds: a filled RollingKV serves stream, cpu and
 # hybrid alike; a head split would need a filled RollingKV per head group (not written yet).
 FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
-ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # rkv.models.kv.ROLLING_TACTICS (tests compare)
+ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # = rkv.tactics.ROLLING (tests compare; no rkv import)
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
 INT8_SCALE_BYTES = 2 * 4  # float32 k and v scale per (token, KV head)
 
@@ -589,7 +590,7 @@ def _offload_plan(cfg: BenchConfig, mc, context: int, memory_stats: Mapping | No
                                memory_stats=memory_stats)
   info["profile"] = res("auto").resolve_profile().source
   if cfg.offload_mode == "force":
-    base = plan("window")
+    base = plan("stream")
     w = int(round((1 - cfg.offload_fraction) * context))
     p = gen.force_stream(base, window_cells=w, tile_cells=min(cfg.tile_cells, cap - w))
     info["planner_mode"] = "force"
@@ -599,9 +600,9 @@ def _offload_plan(cfg: BenchConfig, mc, context: int, memory_stats: Mapping | No
     bad = sorted(set(_tactics(p)) - set(FILLED_TACTICS))
     if bad:
       info["planner_fallback"] = (f"mode {cfg.offload_mode!r} chose {bad}, which the synthetic "
-                                  f"fill does not build: re-planned with mode 'window'")
-      p = plan("window")
-      info["planner_mode"] = "window"
+                                  f"fill does not build: re-planned with mode 'stream'")
+      p = plan("stream")
+      info["planner_mode"] = "stream"
   info["budget_gib"] = p.budget_bytes / GIB
   # The reserve and free memory the plan was made with (planners that record them).
   for field, key in (("reserve_bytes", "reserve_gib"), ("free_bytes", "free_device_gib")):

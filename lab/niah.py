@@ -11,10 +11,11 @@ from typing import Callable
 
 import numpy as np
 
+from rkv import tactics
 from rkv.recall import RecallTask, answer, haystack_batch
 
 
-TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
+TACTICS = tactics.TACTICS
 
 
 def tactic_caches(config, tactic: str, batch: int, capacity: int, *, window_cells: int,
@@ -33,7 +34,7 @@ def tactic_caches(config, tactic: str, batch: int, capacity: int, *, window_cell
     return models.init_caches(config, batch, capacity)
   # A budget far above the cache: every layer planned resident, then forced offloaded.
   base = make_plan(config, capacity, batch,
-                   residency=ResidencyConfig(mode="window", vram_target_mib=1 << 20))
+                   residency=ResidencyConfig(mode="stream", vram_target_mib=1 << 20))
   forced = gen.force_tactic(base, tactic, window_cells, tile_cells, cpu_fraction=cpu_fraction,
                             resident_heads=resident_heads)
   return gen.caches_from_plan(config, forced, batch, capacity)

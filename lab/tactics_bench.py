@@ -8,7 +8,7 @@ fraction. In one process, so the figures are comparable (docs/DESIGN.md §7: ±1
    tail, each hybrid side's rate under contention, host read bandwidth, copy latency), or loaded
    from ``profile_path`` (an ``rkv.Profile`` JSON, e.g. ``experiments/probe.py``'s).
 2. The planner's layouts for a one-layer model whose KV budget is ``window_fraction`` of the
-   resident bytes: ``rkv.plan(mode="window")`` gives W and the tile of the rolling cache (stream,
+   resident bytes: ``rkv.plan(mode="stream")`` gives W and the tile of the rolling cache (stream,
    cpu, hybrid), ``mode="head"`` the head split (R resident KV heads — as many whole heads as the
    budget allows — plus the rolled heads' window), ``mode="auto"`` the selector's pick.
 3. Measured (median after warm-up, one call per sample, ``block_until_ready``):
@@ -151,17 +151,18 @@ def _budget_mib(cfg: TacticsConfig, context: int, frac: float) -> float:
 
 
 def plans(cfg: TacticsConfig, context: int, frac: float, profile: residency.Profile) -> dict:
-  """``{auto, window, head}``: the planner's LayerPlan (or None with ``errors[mode]``) for one
-  layer whose budget is ``frac`` of its resident bytes."""
+  """``{auto, window, head}``: the planner's LayerPlan (or None with ``errors[key]``) for one
+  layer whose budget is ``frac`` of its resident bytes, with the modes ``auto``, ``stream`` (kept
+  under its old name ``window`` in the JSON, like the committed results) and ``head``."""
   out, errors = {}, {}
-  for mode in ("auto", "window", "head"):
+  for key, mode in (("auto", "auto"), ("window", "stream"), ("head", "head")):
     rc = residency.ResidencyConfig(
         mode=mode, vram_target_mib=_budget_mib(cfg, context, frac), tile_cells=cfg.tile_cells,
         min_tile_cells=min(residency.DEFAULT_MIN_TILE_CELLS, cfg.tile_cells), profile=profile)
     try:
-      out[mode] = residency.plan(_shape(cfg), context, cfg.batch, residency=rc).layers[0]
+      out[key] = residency.plan(_shape(cfg), context, cfg.batch, residency=rc).layers[0]
     except ValueError as e:
-      out[mode], errors[mode] = None, str(e)
+      out[key], errors[key] = None, str(e)
   out["errors"] = errors
   return out
 

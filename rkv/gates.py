@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from rkv import tactics
+
 F32_MAX_ABS_LOGIT = 1e-4
 F32_TOP1 = 1.0
 BF16_MEAN_KL = 1e-3
@@ -117,7 +119,7 @@ def greedy_match(tokens_a, tokens_b) -> dict:
           "first_divergence": first}
 
 
-GATE_TACTICS = ("stream", "cpu", "hybrid", "head")
+GATE_TACTICS = tactics.OFFLOADED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +196,7 @@ def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
   with the tactic's mode (e.g. ``ResidencyConfig(vram_target_mib=<tiny>)``), and must give at
   least one layer that tactic."""
   from rkv import generate as gen
-  from rkv.planner import MODE_TACTIC, ResidencyConfig, plan as make_plan
+  from rkv.planner import ResidencyConfig, plan as make_plan
 
   where = "tactic_plan"
   check_tactics([tactic], where)
@@ -202,15 +204,14 @@ def tactic_plan(config, tactic: str, context_len: int, batch: int, *,
     if window_cells is None or tile_cells is None:
       raise ValueError(f"{where}: pass both window_cells and tile_cells, or neither")
     base = make_plan(config, context_len, batch,
-                     residency=ResidencyConfig(mode="window", vram_target_mib=1 << 20))
+                     residency=ResidencyConfig(mode="stream", vram_target_mib=1 << 20))
     no_global = all(w is not None for w in config.layer_windows)
     r = config.num_kv_heads // 2 if resident_heads is None else resident_heads
     p = gen.force_tactic(base, tactic, window_cells, tile_cells, cpu_fraction=cpu_fraction,
                          resident_heads=r, local=no_global)
   else:
     residency = residency or ResidencyConfig()
-    # The planner mode that gives the tactic ("window" streams the tail).
-    mode = next(m for m, t in MODE_TACTIC.items() if t == tactic)
+    mode = tactic  # the planner mode that forces a tactic is named like it
     p = make_plan(config, context_len, batch,
                   residency=dataclasses.replace(residency, mode=mode))
   if tactic not in p.tactics():

@@ -39,6 +39,7 @@ import numpy as np
 
 from rkv import planner
 from rkv import rolling
+from rkv import tactics
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV, _check_heads
 from rkv.models.kv import ROLLING_TACTICS, ResidentCache, RingCache, TacticKV
@@ -51,8 +52,8 @@ DEFAULT_CHUNK = 512
 PROGRESS_MIN_TOKENS = 8192
 PROGRESS_EVERY = 8
 # Every tactic the planner names (rkv.planner.TACTICS) is served by caches_from_plan.
-SUPPORTED_TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
-FORCED_TACTICS = ("stream", "cpu", "hybrid", "head")  # what force_tactic can impose
+SUPPORTED_TACTICS = tactics.TACTICS
+FORCED_TACTICS = tactics.OFFLOADED  # what force_tactic can impose
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,20 +63,15 @@ def cpu_fraction(lp: LayerPlan) -> float | None:
   """The share of the tail's full tiles a ``hybrid`` layer attends on the CPU — what
   ``rkv.rolling_attention(cpu_fraction=...)`` takes; None for every other tactic.
 
-  The planner stores the other side: ``lp.hybrid_fraction`` is the share *streamed*, in whole
-  tiles of the full tail (``n_stream / n``, :func:`rkv.planner.hybrid_split`), so this is
-  ``1 - hybrid_fraction``; rolling_attention rounds ``cpu_fraction * n`` half up, which gives back
-  ``n - n_stream`` tiles at full fill. A hybrid layer planned without a CPU figure has no modeled
-  split (``hybrid_fraction`` None; the planner warns): it gets an even split,
+  The plan stores it as ``lp.cpu_fraction`` (:func:`rkv.planner.cpu_share` of the model's
+  streamed share in whole tiles; rolling_attention rounds ``cpu_fraction * n`` half up, which
+  gives back the planned tiles at full fill). A hybrid layer planned without a CPU figure has no
+  modeled split (``cpu_fraction`` None; the planner warns): it gets an even split,
   ``DEFAULT_CPU_FRACTION``.
   """
   if lp.tactic != "hybrid":
     return None
-  if lp.hybrid_fraction is None:
-    return DEFAULT_CPU_FRACTION
-  # Rounded: 1 - (1 - 0.1) is 0.09999999999999998, and the half-up rounding of the tile count
-  # would then flip at exact halves (0.1 * 5 tiles + 0.5 = 1.0 must give 1 CPU tile, not 0).
-  return min(1.0, max(0.0, round(1.0 - float(lp.hybrid_fraction), 12)))
+  return DEFAULT_CPU_FRACTION if lp.cpu_fraction is None else lp.cpu_fraction
 
 
 def serve_rolling(lp: LayerPlan, kv: RollingKV):
@@ -160,7 +156,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   For gates and tests: it puts most of a short context in the host tail with tiles smaller than
   the planner's WINDOW_ALIGN (the planner never plans a tail for a context that fits).
   ``cpu_fraction`` (``hybrid`` only): the share of the tail's tiles attended on the CPU, stored as
-  the plan does, ``hybrid_fraction = 1 - cpu_fraction`` (the share streamed).
+  the plan's ``cpu_fraction``.
   ``resident_heads`` (``head`` only): R in ``[0, K]`` KV heads kept whole on the device, W and
   the tile then describe the other heads. Byte fields are recomputed with the planner's own
   arithmetic (K/V, scales and positions, :func:`rkv.planner.layer_layout`); the modeled ``times``
@@ -177,12 +173,13 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   if window_cells >= cap:
     raise ValueError(f"{where}: window_cells={window_cells} must be < plan.context_len={cap}")
   s = plan.shape
-  r, streamed = None, None
+  r, share = None, None
   if tactic == "head":
     r = _check_heads(resident_heads, s.num_kv_heads, where)
   if tactic == "hybrid":  # the same check as rolling_attention's
-    streamed = 1.0 - rolling._check_fraction(cpu_fraction, tactic, where)
-  lay = planner.layer_layout(planner.cell_sizes(s, plan.batch), cap, window_cells, tile_cells, r or 0)
+    share = rolling._check_fraction(cpu_fraction, tactic, where)
+  lay = planner.layer_layout(planner.cell_sizes(s, plan.batch), cap, window_cells, tile_cells,
+                             r or 0)
   layers = []
   for lp in plan.layers:
     if lp.kind == "global" or local:
@@ -190,7 +187,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
           lp, tactic=tactic, capacity=cap, window_cells=window_cells,
           tail_cells=cap - window_cells, tile_cells=tile_cells, host_cells=lay.host_cells,
           resident_heads=r, device_bytes=lay.device_bytes, host_bytes=lay.host_bytes,
-          hybrid_fraction=streamed)
+          cpu_fraction=share)
     layers.append(lp)
   return dataclasses.replace(plan, layers=tuple(layers))
 

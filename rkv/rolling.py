@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from rkv.attention import IMPLS, attention
 from rkv import cache as cache_lib
+from rkv import tactics as tactics_lib
 from rkv import validation
 from rkv.head_split import HeadSplitKV
 from rkv.offload import cpu_attention as cpu_lib
@@ -63,7 +64,7 @@ from rkv.offload import stream
 
 # "auto": "stream" for a RollingKV, "head" for a HeadSplitKV (no profile is consulted here: the
 # planner, rkv.planner, names each layer's tactic).
-TACTICS = ("auto", "stream", "cpu", "hybrid", "head")
+TACTICS = ("auto",) + tactics_lib.OFFLOADED
 DEFAULT_CPU_FRACTION = 0.5
 SCHEDULES = stream.SCHEDULES
 DEFAULT_SCHEDULE = stream.DEFAULT_SCHEDULE

@@ -305,7 +305,7 @@ def test_explicit_target_reserve_counts_the_plans_streamed_tiles():
   p = rz.plan(shape(), CTX, 1, residency=cfg(vram_target_mib=10), memory_stats=stats(GIB))
   assert p.fits and p.reserve.bytes_of("tiles") == 0 and "nothing streams" in p.reserve.describe()
   # Streamed: the eager schedule's lookahead + 1 tiles of the plan's tile (no prefetcher).
-  p = rz.plan(shape(), CTX, 1, residency=cfg(vram_target_mib=1.2e6 / MIB, mode="window"),
+  p = rz.plan(shape(), CTX, 1, residency=cfg(vram_target_mib=1.2e6 / MIB, mode="stream"),
               memory_stats=stats(GIB))
   tile = p.layers[0].tile_cells
   assert not p.fits and p.reserve.bytes_of("tiles") == (
@@ -318,7 +318,7 @@ def test_explicit_target_reserve_counts_the_plans_streamed_tiles():
 def test_target_above_free_memory_is_refused_with_the_figures(source):
   source.setattr(_env, "fraction_source", _env.FRACTION_RKV)
   source.setattr(memory, "physical_device_bytes", lambda device=None: None)
-  c = cfg(vram_target_mib=1.2e6 / MIB, mode="window")
+  c = cfg(vram_target_mib=1.2e6 / MIB, mode="stream")
   need = rz.plan(shape(), CTX, 1, residency=c, memory_stats=stats(GIB))
   need_bytes = need.device_bytes + need.reserve_bytes
   tight = stats(need_bytes - 1 + 5 * MIB, 5 * MIB)  # one byte short, 5 MiB in use
@@ -342,7 +342,7 @@ def test_target_above_free_memory_is_refused_with_the_figures(source):
 def test_the_suggested_target_fits():
   # "Lower vram_target_mib to at most N MiB": planning with N passes the same check, though the
   # refused plan was resident (no tiles in the reserve) and the one at N streams (8 tiles more).
-  big = cfg(vram_target_mib=40, mode="window")
+  big = cfg(vram_target_mib=40, mode="stream")
   ctx, free = 65536, stats(790 * MIB)
   with pytest.raises(ValueError, match=r"Lower vram_target_mib to at most (\d+) MiB") as e:
     rz.plan(shape(), ctx, 1, residency=big, memory_stats=free)
@@ -364,7 +364,7 @@ def test_refusal_advises_the_fraction_when_the_pool_is_short(source):
   source.setattr(memory, "host_memory", lambda: (128 * GIB, 120 * GIB))  # the H200's host
   # Llama-3-8B at 1M tokens with a 99 GiB window target on JAX's default 105 GiB pool with 15 GiB
   # of weights in use: the failure of the H200 run, now refused before filling.
-  c = ResidencyConfig(vram_target_mib=99 * 1024, mode="window", profile=FLAT)
+  c = ResidencyConfig(vram_target_mib=99 * 1024, mode="stream", profile=FLAT)
   limit = stats(H200_DEFAULT_LIMIT, 15 * GIB)
   with pytest.raises(ValueError) as e:
     rz.plan(LLAMA3_8B, 1 << 20, 1, residency=c, memory_stats=limit)
@@ -407,7 +407,7 @@ def test_no_stats_no_device_check():
 
 
 def test_host_tail_above_available_ram_is_refused(monkeypatch):
-  c = cfg(vram_target_mib=1.2e6 / MIB, mode="window")
+  c = cfg(vram_target_mib=1.2e6 / MIB, mode="stream")
   p = rz.plan(shape(), CTX, 1, residency=c, memory_stats=stats(GIB))
   assert p.host_bytes > 0
   monkeypatch.setattr(memory, "host_memory", lambda: (GIB, p.host_bytes - 1))

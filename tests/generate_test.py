@@ -304,8 +304,8 @@ def test_planned_hybrid_decodes_like_resident():
 def test_cpu_fraction_of_a_layer_plan():
   _, plan = _tiny_plan("hybrid")
   lp = plan.layers[0]
-  assert gen.cpu_fraction(dataclasses.replace(lp, hybrid_fraction=None)) == 0.5  # unmodeled
-  assert gen.cpu_fraction(dataclasses.replace(lp, hybrid_fraction=1.0)) == 0.0
+  assert gen.cpu_fraction(dataclasses.replace(lp, cpu_fraction=None)) == 0.5  # unmodeled
+  assert gen.cpu_fraction(dataclasses.replace(lp, cpu_fraction=0.0)) == 0.0
   assert gen.cpu_fraction(dataclasses.replace(lp, tactic="stream")) is None
   forced = gen.force_tactic(plan, "hybrid", 128, 128, cpu_fraction=0.25)
   assert forced.layers[0].hybrid_fraction == 0.75 and gen.cpu_fraction(forced.layers[0]) == 0.25

@@ -72,7 +72,7 @@ def test_window_alignment_covers_every_kernel_block():
 
 def test_budget_to_window_by_hand():
   # Two global layers, 600,000 bytes each. Resident would need 4096 * 260 = 1,064,960 each.
-  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="window"))
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="stream"))
   check_invariants(p)
   # About 600,000 // 260 = 2307 cells fit, so ~1789 must leave: tiles of 512 (4 of them) or
   # 384 (5). With tile 512, device bytes = (W + 512) * 256 + 4 * (W + 512 + host cells):
@@ -96,8 +96,8 @@ def test_budget_to_window_by_hand():
 
 
 def test_batch_scales_bytes():
-  one = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="window"))
-  two = rz.plan(shape(), CTX, 2, residency=cfg(2 * 2 * 600_000, mode="window"))
+  one = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="stream"))
+  two = rz.plan(shape(), CTX, 2, residency=cfg(2 * 2 * 600_000, mode="stream"))
   assert two.layers[0].window_cells == one.layers[0].window_cells
   assert two.device_bytes == 2 * one.device_bytes and two.host_bytes == 2 * one.host_bytes
 
@@ -662,3 +662,37 @@ def test_probe_script_flags(tmp_path):
   cfg = prof.details["config"]
   assert cfg["tail_tiles"] == [1, 3] and cfg["contention_tiles"] == 3 and cfg["cpu_threads"] == 1
   assert "hybrid, " in run.stdout and "wrote" in run.stdout
+
+
+def test_the_stream_mode_is_named_like_its_tactic_and_window_is_its_deprecated_alias():
+  assert "stream" in rz.MODES and "window" not in rz.MODES
+  with pytest.warns(DeprecationWarning, match="'window' is deprecated, use 'stream'"):
+    old = ResidencyConfig(mode="window", vram_target_mib=2 * 600_000 / MIB)
+  assert old.mode == "stream"
+  new = ResidencyConfig(mode="stream", vram_target_mib=2 * 600_000 / MIB)
+  assert rz.plan(shape(), CTX, 1, residency=old).tactics() == \
+      rz.plan(shape(), CTX, 1, residency=new).tactics() == ("stream", "stream")
+
+
+def test_one_tactic_vocabulary_is_shared():
+  from rkv import gates, generate, rolling, tactics
+  from rkv.models import kv
+  assert rz.TACTICS == tactics.TACTICS == generate.SUPPORTED_TACTICS
+  assert gates.GATE_TACTICS == generate.FORCED_TACTICS == tactics.OFFLOADED
+  assert rolling.TACTICS == ("auto",) + tactics.OFFLOADED
+  assert kv.ROLLING_TACTICS == tactics.ROLLING == ("stream", "cpu", "hybrid")
+  assert set(rz.OFFLOAD_TACTICS) == set(tactics.OFFLOADED)
+  assert set(rz.MODE_TACTIC.values()) == set(tactics.OFFLOADED)
+  assert {t: tactics.spec(t).cache for t in tactics.TACTICS} == {
+      "resident": "resident", "stream": "rolling", "cpu": "rolling", "hybrid": "rolling",
+      "head": "head_split"}
+  with pytest.raises(ValueError, match="unknown tactic"):
+    tactics.spec("window")
+
+
+def test_the_plan_stores_the_hybrid_split_as_the_cpu_share_it_is_used_as():
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, mode="hybrid"))
+  for lp in p.layers:
+    assert lp.cpu_fraction is not None and 0 < lp.cpu_fraction < 1
+    assert lp.hybrid_fraction == pytest.approx(1 - lp.cpu_fraction)  # the old, streamed name
+  assert "cpu_f" in p.table()

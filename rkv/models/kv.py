@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import rolling
+from rkv import tactics
 from rkv.attention import attention, merge
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV
@@ -141,7 +142,7 @@ for _cls in (ResidentCache, RingCache):
 
 
 # The tactics a TacticKV names; "head" is a HeadSplitKV of its own (its parts hold the heads).
-ROLLING_TACTICS = ("stream", "cpu", "hybrid")
+ROLLING_TACTICS = tactics.ROLLING
 
 
 @dataclasses.dataclass(frozen=True)

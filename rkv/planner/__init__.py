@@ -31,8 +31,8 @@ from rkv.planner.profile import (MIB, GB, PROFILE_FORMAT, PROFILE_VERSION,
 from rkv.planner.cost import (TACTICS, OFFLOAD_TACTICS, combine, device_time, cpu_rate,
                               partial_copy_time, resident_time, transfer_time, cpu_tail_time,
                               stream_time, cpu_time, hybrid_rates, hybrid_tail_time, hybrid_split,
-                              hybrid_time, hybrid_time_at, head_time, ModeledTimes, modeled_times,
-                              select)
+                              cpu_share, hybrid_time, hybrid_time_at, head_time, ModeledTimes,
+                              modeled_times, select)
 from rkv.planner.shape import (ModelShape, AttentionShape, dtype_name, attention_shape)
 from rkv.planner.layout import (WINDOW_ALIGN, DEFAULT_MIN_TILE_CELLS, POS_BYTES, Sizes,
                                 cell_sizes, Layout, layer_layout, floor_align, tile_candidates,
@@ -75,6 +75,7 @@ __all__ = [
     "hybrid_rates",
     "hybrid_tail_time",
     "hybrid_split",
+    "cpu_share",
     "hybrid_time",
     "hybrid_time_at",
     "head_time",

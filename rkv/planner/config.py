@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from rkv import tactics
 from rkv.cache import DEFAULT_TILE_CELLS
 from rkv.planner.budget import DEFAULT_CHUNK_TOKENS, DEFAULT_PREFETCH_TILES
 from rkv.planner.layout import DEFAULT_MIN_TILE_CELLS, WINDOW_ALIGN
@@ -16,8 +17,10 @@ from rkv.planner.profile import (FIGURES, H200_DEFAULT, OPTIONAL_OVERHEADS, OPTI
                                  Profile, check_positive, default_profile_path, is_int, is_num)
 from rkv.planner.shape import dtype_name
 
-MODES = ("auto", "resident", "window", "head", "cpu", "hybrid")
-MODE_TACTIC = {"window": "stream", "head": "head", "cpu": "cpu", "hybrid": "hybrid"}
+# The modes and the tactic each forces (rkv.tactics): a forcing mode is named like its tactic.
+# "window", the stream mode's old name, is still accepted (ResidencyConfig renames it, warning).
+MODES = tactics.MODES
+MODE_TACTIC = {t: t for t in tactics.OFFLOADED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +28,8 @@ class ResidencyConfig:
   """How :func:`plan` places the KV cache.
 
   ``mode``: ``auto`` (per layer, the tactic with the lowest modeled time), ``resident`` (all on
-  the device, else ValueError), ``window`` (stream the tail), ``head``, ``cpu``, ``hybrid``.
+  the device, else ValueError), or the tail tactic forced on every overflowing layer: ``stream``,
+  ``cpu``, ``hybrid``, ``head`` (``window``: the deprecated name of ``stream``).
   ``vram_target_mib``: device memory the KV caches of all layers may use; 0 = all free device
   memory minus the reserve (add the weights if they are not loaded yet — the planner only sees
   free memory). ``reserve_mib``: device memory kept for everything but the caches; None = derived
@@ -72,6 +76,7 @@ class ResidencyConfig:
 
   def __post_init__(self):
     where = "ResidencyConfig"
+    object.__setattr__(self, "mode", tactics.canonical_mode(self.mode, where))
     if self.mode not in MODES:
       raise ValueError(f"{where}: mode must be one of {MODES}, got {self.mode!r}")
     check_positive(where, "vram_target_mib", self.vram_target_mib, allow_none=False,

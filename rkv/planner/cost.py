@@ -8,12 +8,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from rkv import tactics
 from rkv.planner.profile import GB, Profile
 
-# Per-layer tactics (the table's columns, in this order). "stream" is the name
-# rkv.rolling_attention(tactic=...) takes; mode "window" selects it.
-TACTICS = ("resident", "stream", "cpu", "hybrid", "head")
-OFFLOAD_TACTICS = ("stream", "head", "cpu", "hybrid")  # the selector's candidates; ties: first wins
+# Per-layer tactics (the table's columns, in this order) and the selector's candidates in tie
+# order: rkv.tactics.
+TACTICS = tactics.TACTICS
+OFFLOAD_TACTICS = tactics.SELECTOR_ORDER
 
 
 def combine(a: float, b: float, overlap: float = 1.0) -> float:
@@ -172,6 +173,17 @@ def hybrid_split(tail_bytes: float, profile: Profile,
     if best is None or t < best[1]:
       best = (n_gpu / n, t)
   return best
+
+
+def cpu_share(streamed_fraction: float | None) -> float | None:
+  """The share of a hybrid tail attended on the CPU, ``1 - streamed_fraction`` (what the caches and
+  ``rkv.rolling_attention(cpu_fraction=...)`` take; the model splits by the streamed share).
+
+  Rounded: 1 - (1 - 0.1) is 0.09999999999999998, and rolling_attention's half-up rounding of the
+  tile count would then flip at exact halves (0.1 * 5 tiles + 0.5 = 1.0 must give 1 CPU tile)."""
+  if streamed_fraction is None:
+    return None
+  return min(1.0, max(0.0, round(1.0 - float(streamed_fraction), 12)))
 
 
 def hybrid_time(window_bytes: float, tail_bytes: float, profile: Profile,

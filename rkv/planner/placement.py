@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from rkv.planner.budget import (Reserve, check_device_fit, format_bytes, format_number,
                                 kv_budget_bytes, resolve_reserve, streamed_tile_bytes)
 from rkv.planner.config import MODE_TACTIC, ResidencyConfig
-from rkv.planner.cost import (TACTICS, ModeledTimes, head_time, modeled_times, partial_copy_time,
-                              resident_time, select)
+from rkv.planner.cost import (TACTICS, ModeledTimes, cpu_share, head_time, modeled_times,
+                              partial_copy_time, resident_time, select)
 from rkv.planner.layout import (WINDOW_ALIGN, best_layout, cell_sizes, floor_align, head_layout,
                                 layer_layout)
 from rkv.planner.profile import MIB, Profile, is_int
@@ -47,8 +47,14 @@ class LayerPlan:
   device_bytes: int
   host_bytes: int
   times: Mapping[str, float | None]
-  hybrid_fraction: float | None = None
+  cpu_fraction: float | None = None
   sliding_window: int | None = None
+
+  @property
+  def hybrid_fraction(self) -> float | None:
+    """The share of the tail streamed by ``hybrid`` (``1 - cpu_fraction``): what plans stored
+    before they stored the split as it is used; kept for readers of that name."""
+    return None if self.cpu_fraction is None else 1.0 - self.cpu_fraction
 
   @property
   def step_time_s(self) -> float | None:
@@ -113,7 +119,7 @@ class Plan:
     us = lambda t: "-" if t is None else f"{t * 1e6:.1f}"
     mib = lambda b: f"{b / MIB:.1f}"
     cols = ["layer", "kind", "tactic", "W", "P", "tile", "heads", "device_MiB", "host_MiB"]
-    cols += [f"{t}_us" for t in TACTICS] + ["hybrid_f"]
+    cols += [f"{t}_us" for t in TACTICS] + ["cpu_f"]
     rows = []
     for lp in self.layers:
       row = [str(lp.layer), lp.kind if lp.sliding_window is None else f"local:{lp.sliding_window}",
@@ -122,7 +128,7 @@ class Plan:
              "-" if lp.resident_heads is None else f"{lp.resident_heads}/{self.shape.num_kv_heads}",
              mib(lp.device_bytes), mib(lp.host_bytes)]
       row += [us(lp.times.get(t)) + ("*" if t == lp.tactic else "") for t in TACTICS]
-      row.append("-" if lp.hybrid_fraction is None else f"{lp.hybrid_fraction:.3f}")
+      row.append("-" if lp.cpu_fraction is None else f"{lp.cpu_fraction:.3f}")
       rows.append(row)
     counts = {}
     for lp in self.layers:
@@ -304,5 +310,5 @@ def plan(model_config, context_len: int, batch: int = 1, *,
         tail_cells=context_len - lay.window, tile_cells=lay.tile, host_cells=lay.host_cells,
         resident_heads=lay.resident_heads if tactic == "head" else None,
         device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, times=times,
-        hybrid_fraction=mt.hybrid_fraction))
+        cpu_fraction=cpu_share(mt.hybrid_fraction)))
   return finish(layers)
