@@ -49,7 +49,8 @@ from typing import Callable
 import numpy as np
 
 from rkv.recall import (LOG_FILE, PAD, SPECIALS, TASK_FILE, RecallModelSpec, RecallTask,
-                        build_tokenizer, draw_pairs, haystack, model_config, place_pairs)
+                        build_tokenizer, draw_pairs, haystack, load_recall_model, model_config,
+                        place_pairs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ import rkv
 from rkv import cache as cache_lib
 from rkv.offload import memory
 from tests import numpy_reference
-from tests.rolling_attention_test import ROLLING_VS_RESIDENT, assert_kinds
+from tests.support.rolling_cases import assert_kinds
+from tests.support.tolerances import ROLLING_VS_RESIDENT
 
 B, K, D, H = 2, 2, 16, 4
 TOL = ROLLING_VS_RESIDENT["float32"]

@@ -1,4 +1,7 @@
-"""Shared test set-up: repo root importable (tests.numpy_reference), `gpu` marker skipped without a GPU."""
+"""Shared test set-up: the repo root importable (``tests.support``, ``tests.numpy_reference``,
+``lab``), and the ``gpu`` marker skipped without a GPU. Markers are declared in pyproject.toml
+(``--strict-markers``): ``gpu``, ``slow``. Shared cases, checks and tolerances live in
+``tests/support/``; no test file imports another's helpers."""
 
 import os
 import sys

@@ -22,10 +22,9 @@ import rkv
 from rkv.offload import cpu_attention as ca
 from rkv.offload import cpu_build
 from tests import numpy_reference as ref
+from tests.support.tolerances import CPU_KERNEL as TOL
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# Max abs/rel error of o and lse per K/V dtype, vs float64 on the same rounded inputs.
-TOL = {"float32": 1e-5, "bfloat16": 1e-5, "float16": 1e-5, "int8": 1e-5}
 
 
 def _data(b, t, h, kh, d, s, dtype="float32", seed=0, q_dtype=np.float32):

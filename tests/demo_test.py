@@ -6,6 +6,7 @@ import pytest
 from lab import demo
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "hybrid"])
 def test_demo_short_context(mode):
   lines = []

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from rkv import models
+from tests.support.tolerances import HF_LOGITS_ATOL as ATOL
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
-ATOL = 1e-4  # float32 logits, max |delta| against HF
 PREFILL = (13, 7)  # two prefill chunks (the second wraps the rings), then one token at a time
 
 

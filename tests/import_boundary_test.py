@@ -43,3 +43,16 @@ assert not bad, bad
                        timeout=300)
   assert out.returncode == 0, out.stdout + out.stderr
   assert int(out.stdout.split()[0]) > 20  # the walk found the package's modules
+
+
+def test_no_test_file_imports_another_test_files_helpers():
+  # Shared cases, checks and tolerances live in tests/support/ (and tests/numpy_reference.py).
+  found = [f"{p.name}:{line}: {name}"
+           for p in sorted((ROOT / "tests").glob("*_test.py"))
+           for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, (ast.Import, ast.ImportFrom))
+           for line, name in [(node.lineno, n) for n in (
+               [a.name for a in node.names] if isinstance(node, ast.Import) else
+               [f"{node.module}.{a.name}" for a in node.names])]
+           if name.startswith("tests.") and "_test" in name]
+  assert not found, found

@@ -6,7 +6,6 @@ what this test checks, plus the figures it leaves behind.
 """
 
 import json
-import os
 import pathlib
 
 import pytest
@@ -20,6 +19,7 @@ def code_cells(path):
   return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
 
 
+@pytest.mark.slow
 def test_tour_runs(monkeypatch):
   pytest.importorskip("matplotlib")
   monkeypatch.setenv("RKV_TOUR_CONTEXT", "1024")

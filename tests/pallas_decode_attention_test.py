@@ -13,17 +13,7 @@ import pytest
 
 from rkv.pallas import decode_attention as da
 from tests import numpy_reference
-
-# Tolerances on o from the dtype of the K/V operands fed to the dots: p is rounded to that dtype
-# before the PV dot and o is rounded to q's dtype at the end, so ~4 ulp of the narrow type on values
-# of order 1. LSE is computed in float32 from exact products (bf16*bf16 is exact in f32), so it is
-# tight for every dtype.
-O_TOL = {
-    "float32": dict(atol=2e-5, rtol=2e-5),
-    "float16": dict(atol=2e-3, rtol=2e-3),   # 4 * 2**-11
-    "bfloat16": dict(atol=1.6e-2, rtol=1.6e-2),  # 4 * 2**-8
-}
-LSE_TOL = {"float32": 2e-5, "float16": 1e-4, "bfloat16": 1e-4}
+from tests.support.tolerances import DECODE_LSE_TOL as LSE_TOL, DECODE_O_TOL as O_TOL
 
 TINY = da.BlockSizes(block_k=16, num_splits=3)
 

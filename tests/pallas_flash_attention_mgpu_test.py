@@ -18,7 +18,7 @@ import pytest
 import rkv
 from rkv.pallas import flash_attention_mgpu as fm
 from tests import numpy_reference
-from tests.attention_test import TOLERANCES
+from tests.support.tolerances import TOLERANCES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,15 +15,8 @@ import pytest
 
 from rkv.pallas import flash_attention as fa
 from tests import numpy_reference
+from tests.support.tolerances import TOLERANCES
 
-# Named tolerances (absolute, relative), never loosened to pass. float32: f32 accumulation over a
-# few dozen keys lands near 1e-6. 16-bit: o is rounded to the input dtype and P enters the PV dot
-# in that dtype (bf16: 2^-8 relative, f16: 2^-11).
-TOLERANCES = {
-    "float32": dict(o=(2e-5, 2e-5), lse=(2e-5, 2e-5)),
-    "bfloat16": dict(o=(2e-2, 2e-2), lse=(1e-2, 1e-2)),
-    "float16": dict(o=(4e-3, 4e-3), lse=(2e-3, 2e-3)),
-}
 TINY = fa.BlockSizes(block_q=16, block_k=16)
 
 

@@ -112,6 +112,7 @@ def test_saved_folder_loads_as_hf_llama(tmp_path):
     assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.slow
 def test_train_runs_every_stage_kind_and_saves(tmp_path):
   spec = recall.RecallModelSpec(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4,
                                 num_kv_heads=2, head_dim=8)
@@ -152,6 +153,7 @@ def test_shipped_folder_is_small_and_complete():
 
 
 @needs_shipped
+@pytest.mark.slow
 def test_shipped_model_retrieves_and_stream_answers_identically(shipped):
   model, tok, task = shipped
   n, length = 8, 1024

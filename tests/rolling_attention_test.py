@@ -9,7 +9,6 @@ memory kinds are asserted on every cache the tests build: every tail tile's K/V 
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,52 +20,9 @@ from rkv import rolling
 from rkv.offload import memory
 from rkv.offload import stream
 from tests import numpy_reference
-from tests import attention_test
-from tests.attention_test import TOLERANCES
-
-# Rolling vs the resident reference on identical inputs: only the merge order differs, so float32
-# agrees to a few ulps of the accumulation (same scale as TOLERANCES["float32"]).
-ROLLING_VS_RESIDENT = {"float32": (2e-6, 2e-6), "bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}
-
-
-def assert_kinds(kv):
-  kinds = rkv.cache.memory_kinds(kv)
-  for name, kind in kinds.items():
-    part, field = name.split(".")
-    field = field.split("[")[0]  # tail arrays are per tile: "tail.k[3]"
-    want = memory.PINNED_HOST if part == "tail" and field != "pos" else memory.DEVICE
-    assert kind == want, f"{name} is in {kind}, expected {want}"
-  assert kv.window.k.sharding.memory_kind == "device"
-  assert isinstance(kv.tail.k, tuple) and len(kv.tail.k) == len(kv.tail.v) == kv.n_tail_tiles
-  for i, (tk, tv) in enumerate(zip(kv.tail.k, kv.tail.v)):
-    assert tk.sharding.memory_kind == "pinned_host", f"tail.k[{i}]"
-    assert tv.sharding.memory_kind == "pinned_host", f"tail.v[{i}]"
-    assert tk.shape == (kv.batch, kv.tile_cells, kv.num_kv_heads, kv.head_dim)
-  assert len(kinds) == 3 * (2 + kv.n_tail_tiles) + (2 * (2 + kv.n_tail_tiles) if kv.quantized
-                                                     else 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  s: int = 75
-  window_cells: int = 20
-  tile: int = 16
-  b: int = 1
-  t: int = 1
-  h: int = 4
-  k: int = 2
-  d: int = 32
-  dtype: str = "float32"
-  kv_dtype: str | None = None
-  causal: bool = True
-  window: int | None = None
-  softcap: float | None = None
-  positions: str = "default"  # default | chunk | holes | ragged
-
-  def __str__(self):
-    return self.name
-
+from tests.support import attention_cases
+from tests.support.rolling_cases import Case, assert_kinds, check, make
+from tests.support.tolerances import ROLLING_VS_RESIDENT, TOLERANCES
 
 CASES = [
     Case("w0_all_tail", window_cells=0),
@@ -83,48 +39,6 @@ CASES = [
     Case("int8", t=2, kv_dtype="int8"),
     Case("bf16_d48", dtype="bfloat16", d=48),
 ]
-
-
-def make(case: Case, seed: int = 0):
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((case.b, case.t, case.h, case.d)).astype(np.float32)
-  k = rng.standard_normal((case.b, case.s, case.k, case.d)).astype(np.float32) * 1.5
-  v = rng.standard_normal((case.b, case.s, case.k, case.d)).astype(np.float32)
-  k_pos = np.broadcast_to(np.arange(case.s, dtype=np.int32), (case.b, case.s)).copy()
-  q_pos = None
-  if case.positions == "chunk":  # a chunk in the middle: later cells (window and tail) are future
-    q_pos = np.broadcast_to(np.arange(case.t, dtype=np.int32) + 37, (case.b, case.t)).copy()
-  elif case.positions == "holes":  # empty slots hold NaN in the window, tail and staging
-    holes = rng.random((case.b, case.s)) < 0.3
-    holes[:, -1] = False
-    k_pos[holes] = -1
-    k[holes] = np.nan
-    v[holes] = np.nan
-  elif case.positions == "ragged":
-    for i in range(case.b):
-      fill = case.s - 23 * i
-      k_pos[i, fill:] = -1
-      k[i, fill:] = np.nan
-    q_pos = np.stack([[case.s - 23 * i - 1] for i in range(case.b)]).astype(np.int32)
-  k_scale = v_scale = None
-  if case.kv_dtype == "int8":
-    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k))
-    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v))
-  dt = jnp.dtype(case.dtype)
-  kv_dt = jnp.int8 if case.kv_dtype == "int8" else dt
-  return (jnp.asarray(q, dt), jnp.asarray(k, kv_dt), jnp.asarray(v, kv_dt), q_pos, k_pos,
-          k_scale, v_scale)
-
-
-def check(case, o, lse, o_ref, lse_ref, tol):
-  o = np.asarray(jnp.asarray(o, jnp.float32))
-  lse = np.asarray(lse)
-  o_ref, lse_ref = np.asarray(o_ref, np.float64), np.asarray(lse_ref, np.float64)
-  assert not np.isnan(o).any() and not np.isnan(lse).any()
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-  np.testing.assert_allclose(o, o_ref, atol=tol[0], rtol=tol[1])
-  finite = ~np.isneginf(lse_ref)
-  np.testing.assert_allclose(lse[finite], lse_ref[finite], atol=tol[0], rtol=tol[1])
 
 
 @pytest.mark.parametrize("schedule", ["eager", "unrolled"])
@@ -150,13 +64,13 @@ def test_rolling_equals_resident(case, schedule):
   assert_kinds(kv)  # attention moved tiles, never the cache
 
 
-@pytest.mark.parametrize("case", attention_test.CASES, ids=str)
+@pytest.mark.parametrize("case", attention_cases.CASES, ids=str)
 def test_shared_suite_cases(case):
   # The shared attention suite's cases (holes with NaN, rows that see nothing, ragged batches,
   # int8, 16-bit, d=80/96/256, GQA 1/4/8) through the streamed tactic: a third of the cells in
   # the window, the rest in three or more host tiles (plus a staged remainder for most cases).
-  q, k, v, q_pos, k_pos, k_scale, v_scale = attention_test.make_inputs(case)
-  qj, kj, vj = attention_test.to_jax(case, q, k, v)
+  q, k, v, q_pos, k_pos, k_scale, v_scale = attention_cases.make_inputs(case)
+  qj, kj, vj = attention_cases.to_jax(case, q, k, v)
   w = case.s // 3
   kv = rkv.RollingKV.from_arrays(kj, vj, window_cells=w, k_pos=k_pos, k_scale=k_scale,
                                  v_scale=v_scale, tile_cells=(case.s - w - 1) // 3)
@@ -164,7 +78,7 @@ def test_shared_suite_cases(case):
   assert_kinds(kv)
   o, lse = rkv.rolling_attention(qj, kv, q_pos=q_pos, causal=case.causal, window=case.window,
                                  softcap=case.softcap, scale=case.scale, impl="xla")
-  attention_test.assert_close(case, o, lse, *attention_test.expected(case, qj, kj, vj, q_pos,
+  attention_cases.assert_close(case, o, lse, *attention_cases.expected(case, qj, kj, vj, q_pos,
                                                                       k_pos, k_scale, v_scale))
 
 

@@ -4,7 +4,7 @@
 device), ``"hybrid"`` (the last ``cpu_fraction`` of the tiles on the CPU, the others streamed) and
 ``"head"`` (a ``HeadSplitKV``: the first R KV heads resident, the rest rolled) are compared with
 ``rkv.attention(..., impl="reference")`` over the whole arrays at the suite's named tolerances
-(``tests/attention_test.py`` TOLERANCES), for fresh caches and for caches grown by appends across
+(``tests/support/tolerances.py`` TOLERANCES), for fresh caches and for caches grown by appends across
 flushes; bad tactic/kv combinations and arguments raise ValueError naming the argument.
 """
 
@@ -21,8 +21,8 @@ import rkv
 from rkv import rolling
 from rkv.head_split import HeadSplitKV
 from rkv.offload import cpu_attention as cpu_lib
-from tests.attention_test import TOLERANCES
-from tests.rolling_attention_test import Case, assert_kinds, make
+from tests.support.rolling_cases import Case, assert_kinds, make
+from tests.support.tolerances import TOLERANCES
 
 K2 = dict(h=8, k=2)  # GQA 4
 CASES = [

@@ -1,0 +1,1 @@
+"""Test support: shared cases, checks and the named tolerances (no tests here)."""
