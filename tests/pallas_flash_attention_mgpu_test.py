@@ -9,6 +9,7 @@ kernel at all, so a wrong "yes" there would be a silent wrong answer on the GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -307,6 +308,26 @@ def test_visit_plan_walk_equals_the_contract(case):
   fin = np.isfinite(lse_ref)
   np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=1e-12, rtol=1e-10)
   assert (counts[..., 0] <= counts[..., 1]).all()
+
+
+
+@pytest.mark.parametrize("causal,window,positions", [
+    (True, None, False), (False, None, False), (True, None, True), (False, None, True),
+    (True, 128, True), (False, 96, True)])
+def test_kernel_lowers_for_cuda(causal, window, positions):
+  # The kernel cannot run here, but JAX lowers it for CUDA on any host: the whole Mosaic GPU
+  # program (layouts, barriers, the visit plan's loads) is built, short of PTX. A kernel that
+  # does not lower never reaches the H200's tests.
+  q, kv, _ = _shapes(t=256, s=1024)
+  pos = (jax.ShapeDtypeStruct((1, 256), jnp.int32), jax.ShapeDtypeStruct((1, 1024), jnp.int32))
+  fn = functools.partial(fm._flash_attention_mgpu, causal=causal, scale=0.1,
+                         blocks=fm.BlockSizes(), window=window)
+  if positions:
+    traced = jax.jit(fn).trace(q, kv, kv, *pos)
+  else:
+    traced = jax.jit(lambda q, k, v: fn(q, k, v, None, None)).trace(q, kv, kv)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def test_visit_plan_skips_what_no_row_can_see():

@@ -191,8 +191,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, scale: float, offset
   # the same number of steps; warpgroup 0 (the upper rows) may compute one block that is fully
   # masked for it (exact: its p is 0 there). The tile's last row sees keys <= offset + that row.
   if positions:
-    # The plan's counts: steps [0, kv_full) need no mask, [kv_full, kv_hi) do.
-    kv_full = counts_ref[b, qi, 0]
+    # The plan's counts: steps [0, plan_full) need no mask, [plan_full, kv_hi) do.
+    plan_full = counts_ref[b, qi, 0]
     kv_hi = counts_ref[b, qi, 1]
     block_of = lambda j: order_ref[b, qi, j]
   elif causal:
@@ -263,7 +263,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, scale: float, offset
         if window is not None:
           in_window = q_pos - k_pos < window
           vis = in_window if vis is None else vis & in_window
-        s = jnp.where(vis, s, -jnp.inf)
+        if vis is not None:  # non-causal with no window: every clean block is unmasked
+          s = jnp.where(vis, s, -jnp.inf)
       elif masked:  # only on blocks that straddle the diagonal
         q_pos = offset + q_start + plgpu.broadcasted_iota(
             jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -308,9 +309,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, scale: float, offset
 
     carry = (acc, m, l)
     if positions:
-      carry = lax.fori_loop(0, kv_full, functools.partial(step, masked=False), carry)
-      carry = lax.cond(kv_full < kv_hi,
-                       lambda c: lax.fori_loop(kv_full, kv_hi,
+      carry = lax.fori_loop(0, plan_full, functools.partial(step, masked=False), carry)
+      carry = lax.cond(plan_full < kv_hi,
+                       lambda c: lax.fori_loop(plan_full, kv_hi,
                                                functools.partial(step, masked=True), c),
                        lambda c: c, carry)
     elif causal:
