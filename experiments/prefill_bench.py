@@ -44,6 +44,8 @@ _PARTS = flags.DEFINE_list("parts", ["kernel", "model"], "Which parts to run.")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner (PCIe rate).")
 _N_OUTER = flags.DEFINE_integer("n_outer", 7, "Kernel rows: timed batches (the median is kept).")
 _MODEL_STEPS = flags.DEFINE_integer("model_steps", 3, "Model rows: timed chunks per depth.")
+_TRACE = flags.DEFINE_list("trace", [], "Part 'trace': depth:chunk pairs whose explicit and "
+                           "default calls are traced (jax.profiler) and summarized per kernel.")
 
 H, K, D = 32, 8, 128
 
@@ -109,6 +111,50 @@ def kernel_rows(depths, chunks, *, h, kh, d, n_outer, log=print):
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
         log(f"kernel T={t} depth={depth}: error: {row['error']}")
       gc.collect()
+  return rows
+
+
+def trace_rows(specs, *, h, kh, d, calls_per_trace=10, log=print):
+  """Where an explicit-positions call's time goes against the default one on the same pairs:
+  ``calls_per_trace`` calls of each, traced, with the device kernels' total time per name."""
+  import tempfile
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import rkv
+  from experiments import trace_summary
+  rows = []
+  for spec in specs:
+    depth, t = (int(x) for x in spec.split(":"))
+    s = depth + t
+    kq, kk = jax.random.split(jax.random.key(depth + t))
+    q = jax.random.normal(kq, (1, t, h, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (1, s, kh, d), jnp.bfloat16)
+    q_pos = jnp.asarray(depth + np.arange(t, dtype=np.int32))[None]
+    k_pos = jnp.asarray(np.arange(s, dtype=np.int32))[None]
+    fns = dict(explicit=jax.jit(lambda q, k, qp, kp: rkv.attention(q, k, k, q_pos=qp, k_pos=kp)),
+               default=jax.jit(lambda q, k, qp, kp: rkv.attention(q, k, k)))
+    for name, fn in fns.items():
+      jax.block_until_ready(fn(q, k, q_pos, k_pos))
+      with tempfile.TemporaryDirectory() as tdir:
+        with jax.profiler.trace(tdir):
+          for _ in range(calls_per_trace):
+            out = fn(q, k, q_pos, k_pos)
+          jax.block_until_ready(out)
+        summary = trace_summary.summarize_dir(tdir, top=12)
+      kernels = {}
+      for lines in summary["devices"].values():
+        for line in lines.values():
+          for ev in line["top"]:
+            kernels[ev["name"]] = kernels.get(ev["name"], 0) + ev["total_ns"] / calls_per_trace
+      row = dict(part="trace", depth=depth, chunk=t, call=name,
+                 device_ns_per_call=sum(kernels.values()),
+                 window_ns_per_call=(summary["device_window_ns"] or 0) / calls_per_trace,
+                 kernels_ns_per_call=dict(sorted(kernels.items(), key=lambda kv: -kv[1])))
+      rows.append(row)
+      log(f"trace depth={depth} T={t} {name}: {row['device_ns_per_call'] / 1e3:.1f} us of "
+          f"kernels a call: " + ", ".join(f"{n[:40]} {v / 1e3:.1f}" for n, v in
+                                          list(row["kernels_ns_per_call"].items())[:6]))
   return rows
 
 
@@ -267,6 +313,8 @@ def main(argv):
   result = dict(benchmarking.environment(), rows=[])
   if "kernel" in _PARTS.value:
     result["rows"] += kernel_rows(depths, chunks, n_outer=_N_OUTER.value, **shape)
+  if "trace" in _PARTS.value and _TRACE.value:
+    result["rows"] += trace_rows(_TRACE.value, **shape)
   if "model" in _PARTS.value and not _QUICK.value:
     from rkv import decode_bench as db
     mc = db.model_config(db.BenchConfig())

@@ -187,15 +187,24 @@ def test_positions_match_float64(case):
 
 
 @pytest.mark.gpu
-def test_positions_nan_in_a_visible_key_propagates():
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_positions_nan_in_a_visible_key_propagates(where):
+  # Slot 10 (position 10) is visible to every row. NaN in one element of its V reaches that
+  # column of o for the query heads of its KV head; NaN in its K, their whole rows.
   case = PosCase("nan_visible")
   q, k, v, q_pos, k_pos = pos_inputs(case)
-  v = v.at[0, 10, 0, 3].set(jnp.nan)  # slot 10 (position 10) is visible to every row
-  o, _ = fm.flash_attention_mgpu(q, k, v, q_pos=q_pos, k_pos=k_pos)
+  if where == "k":
+    k = k.at[0, 10, 0, 3].set(jnp.nan)
+  else:
+    v = v.at[0, 10, 0, 3].set(jnp.nan)
+  o, lse = fm.flash_attention_mgpu(q, k, v, q_pos=q_pos, k_pos=k_pos)
+  o = np.asarray(o.astype(jnp.float32))
   g = case.h // case.k
-  assert np.isnan(np.asarray(o.astype(jnp.float32))[0, :, :g]).all()
-  assert not np.isnan(np.asarray(o.astype(jnp.float32))[0, :, g:]).any()  # other kv head
-
+  hit = o[0, :, :g] if where == "k" else o[0, :, :g, 3]
+  assert np.isnan(hit).all()
+  assert not np.isnan(o[0, :, g:]).any()  # the other KV head's query heads never read it
+  if where == "v":
+    assert not np.isnan(np.delete(o[0, :, :g], 3, axis=-1)).any()
 
 @pytest.mark.gpu
 def test_lse_is_natural_log():
