@@ -18,7 +18,6 @@ offload:131072:0.5 --out=/tmp/decode_trace.json
 
 from __future__ import annotations
 
-import collections
 import glob
 import json
 import os
@@ -29,6 +28,7 @@ import time
 from absl import app, flags
 
 import rkv  # noqa: F401  (first: rkv sets the device memory fraction before JAX starts)
+from experiments.trace_summary import summarize
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
 _CONFIGS = flags.DEFINE_list("configs", ["resident:2048", "resident:131072",
@@ -39,63 +39,6 @@ _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.")
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
-
-
-def _union(intervals) -> int:
-  total, end = 0, None
-  for a, b in sorted(intervals):
-    if end is None or a > end:
-      total += b - a
-      end = b
-    elif b > end:
-      total += b - end
-      end = b
-  return total
-
-
-def summarize(xplane_path: str, top: int) -> dict:
-  """Per device plane: each line's (stream's) busy ns and top events by total ns; host spans
-  named ``rkv.*`` (count, total, median ns); the traced window's wall ns."""
-  import jax
-  pd = jax.profiler.ProfileData.from_file(xplane_path)
-  out = dict(devices={}, host_spans={})
-  lo, hi = None, None
-  for plane in pd.planes:
-    if plane.name.startswith("/device:GPU"):
-      lines = {}
-      spans = collections.defaultdict(list)  # what kind of stream -> [(start, end)]
-      for line in plane.lines:
-        kind = "h2d" if "MemcpyH2D" in line.name else (
-            "compute" if "Compute" in line.name else None)
-        if kind:
-          spans[kind] += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
-        tot = collections.Counter()
-        cnt = collections.Counter()
-        busy = 0
-        for e in line.events:
-          tot[e.name] += e.duration_ns
-          cnt[e.name] += 1
-          busy += e.duration_ns
-          lo = e.start_ns if lo is None else min(lo, e.start_ns)
-          hi = e.start_ns + e.duration_ns if hi is None else max(hi, e.start_ns + e.duration_ns)
-        if busy:
-          lines[line.name] = dict(busy_ns=busy, events=sum(cnt.values()),
-                                  top=[dict(name=n[:160], total_ns=t, count=cnt[n])
-                                       for n, t in tot.most_common(top)])
-      out["devices"][plane.name] = lines
-      # Busy time of each kind of stream, overlaps merged: how long the PCIe link (any H2D
-      # stream) and the compute stream were working within the traced window.
-      out.setdefault("busy_union_ns", {})[plane.name] = {k: _union(v) for k, v in spans.items()}
-    elif plane.name.startswith("/host:CPU"):
-      spans = collections.defaultdict(list)
-      for line in plane.lines:
-        for e in line.events:
-          if e.name.startswith("rkv."):
-            spans[e.name].append(e.duration_ns)
-      out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
-                           for n, d in sorted(spans.items())}
-  out["device_window_ns"] = None if lo is None else hi - lo
-  return out
 
 
 KINDS = ("resident", "offload", "beyond")

@@ -530,9 +530,9 @@ def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, 
   from rkv.cache import RollingKV, _tail_bytes, _tail_layout, _untile
   from rkv.offload import memory
   w, tile = int(window_cells), int(tile_cells)
-  if not (0 <= w <= capacity and 0 < fill <= capacity and tile >= 1):
+  if not (0 <= w <= capacity and 0 <= fill <= capacity and tile >= 1):
     raise ValueError(f"filled_rolling: need 0 <= window_cells={w} <= capacity={capacity}, "
-                     f"0 < fill={fill} <= capacity and tile_cells={tile} >= 1")
+                     f"0 <= fill={fill} <= capacity and tile_cells={tile} >= 1")
   kdt = _np_dtype(mc.dtype if kv_dtype is None else kv_dtype)
   chunk = tile if chunk_cells is None else int(chunk_cells)
   kh, d = mc.num_kv_heads, mc.head_dim

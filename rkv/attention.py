@@ -235,8 +235,10 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, soft
   if block_sizes is None and jax.default_backend() == "gpu":
     mgpu = _mgpu_kernel()
     if mgpu is not None and mgpu.supports(q, k, v, **kw):
-      # Hopper fast path for the plain prefill case (rkv/pallas/flash_attention_mgpu.py).
-      return mgpu.flash_attention_mgpu(q, k, v, causal=causal, scale=args.scale)
+      # Hopper fast path (rkv/pallas/flash_attention_mgpu.py): prefill, and chunks at any
+      # offset with explicit positions or a window; int8 and softcap stay on the generic kernel.
+      return mgpu.flash_attention_mgpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal,
+                                       window=window, scale=args.scale)
   from rkv.pallas import flash_attention as kernel
   return kernel.flash_attention(q, k, v, block_sizes=block_sizes, **kw)
 

@@ -248,6 +248,27 @@ def test_tactic_caches_generate_like_resident(gemma2, tactic, kw):
       "equal": True, "agreement": 1.0, "first_divergence": [None, None]}
 
 
+
+def test_cpu_tactic_streams_prefill_chunks_and_decodes_on_the_cpu(gemma2, monkeypatch):
+  """A cpu layer's prefill chunk (18 queries > MAX_DECODE_QUERIES) streams its tail, the T=1
+  decode steps attend it on the CPU; the tokens stay the resident run's."""
+  from rkv import rolling
+  model, tokens, ref, base = gemma2
+  plan = gen.force_tactic(base, "cpu", 5, 4)
+  caches = gen.caches_from_plan(model.config, plan, 2, 32, jnp.float32)
+  cpu_queries = []
+  real = rolling._with_cpu_tail
+
+  def spy(q, *args, **kwargs):
+    cpu_queries.append(q.shape[1])
+    return real(q, *args, **kwargs)
+
+  monkeypatch.setattr(rolling, "_with_cpu_tail", spy)
+  out = gen.generate(model, tokens[:, :18], max_new_tokens=5, caches=caches, chunk=32)
+  assert cpu_queries and set(cpu_queries) == {1}, cpu_queries
+  assert gates.greedy_match(ref, out.tokens)["equal"]
+
+
 def _tiny_plan(mode, **kw):
   # tiny-llama (L=2, K=2, D=16, float32) at 512 cells: 0.254 MiB of KV in all; 0.15 MiB leaves
   # each global layer W=128, a staging tile and 3 host tiles of 128. CPU attention about as fast

@@ -44,7 +44,7 @@ import numpy as np
 
 from rkv import rolling
 from rkv import tactics
-from rkv.attention import attention, merge
+from rkv.attention import MAX_DECODE_QUERIES, attention, merge
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV
 from rkv.rolling import rolling_attention
@@ -237,8 +237,14 @@ def _(cache: RollingKV, q, k, v, positions, **kw):
 
 @attend.register
 def _(cache: TacticKV, q, k, v, positions, **kw):
-  return _append_then_attend(cache, lambda c: c.kv, q, k, v, positions, tactic=cache.tactic,
-                             cpu_fraction=cache.cpu_fraction, **kw)
+  tactic, share = cache.tactic, cache.cpu_fraction
+  if q.shape[1] > MAX_DECODE_QUERIES:
+    # A prefill chunk's tail attention is compute-bound (T queries per key read), where the CPU
+    # cores are ~100x slower than the GPU; the plan's cpu/hybrid split is for the memory-bound
+    # decode step. The chunk streams its tail instead (the same cells, merged the same way).
+    tactic, share = "stream", None
+  return _append_then_attend(cache, lambda c: c.kv, q, k, v, positions, tactic=tactic,
+                             cpu_fraction=share, **kw)
 
 
 @attend.register

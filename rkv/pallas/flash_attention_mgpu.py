@@ -9,11 +9,18 @@ register reallocation. This kernel uses all of them, in the FlashAttention-3 arr
 two consumer warpgroups, each owning ``block_q`` query rows, ping-pong on the tensor cores: one
 runs its softmax while the other runs its two GEMMs.
 
-It covers the common case only, and the caller falls back to the generic kernel otherwise
-(:func:`supports` is the gate): default positions (``k_pos = arange(S)``,
-``q_pos = S - T + arange(T)``, so causal is bottom-right aligned), no window, no softcap, no
-int8, bf16/f16, ``D`` in {64, 128, 256}, ``T`` a multiple of ``2 * block_q`` and ``S`` of
-``block_kv``, ``T <= S`` when causal (so every row sees at least key 0), Hopper only.
+It takes two kinds of call, and the caller falls back to the generic kernel otherwise
+(:func:`supports` is the gate). With default positions (``k_pos = arange(S)``,
+``q_pos = S - T + arange(T)``, causal bottom-right aligned, ``T <= S``) the masks come from
+indices and only the blocks on the diagonal are masked. With explicit positions or a window (a
+prefill chunk at any offset into a cache, holes, sliding windows) a visit plan built from
+per-block position bounds (:func:`_visit_plan`) lists, per CTA, the KV blocks to read: the
+unmasked ones first, then the masked ones, whose masks come from the loaded positions; blocks
+nobody can see are never fetched. Blocks that hold an empty slot (``k_pos < 0``) are left to the
+generic kernel and merged by LSE, because here V goes from SMEM straight into ``wgmma`` and
+``p = 0`` cannot cancel a NaN there. Softcap and int8 K/V stay on the generic kernel; bf16/f16,
+``D`` in {64, 128, 256}, ``T`` a multiple of ``2 * block_q`` and ``S`` of ``block_kv``,
+Hopper only.
 Mosaic GPU's CPU interpreter (jax 0.11.2) does not cover this kernel (no ``run_state``, no
 register-operand ``wgmma``), so it is tested on the H200
 (``tests/pallas_flash_attention_mgpu_test.py``); the semantics are the generic kernel's, and the
@@ -49,6 +56,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import llvm
 
 from rkv import validation
+from rkv.pallas import flash_attention as generic_kernel
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -148,17 +156,27 @@ def _named_barrier(op: str, barrier_id, num_threads: int) -> None:
   _bar(barrier_id)
 
 
-def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smems, lse_smems,
-                  q_bars, k_bars, v_bars, k_free, v_free, *, causal: bool, scale: float,
-                  offset: int, group: int, n_q_tiles: int, n_kv: int, block_q: int,
-                  block_kv: int, stages: int):
+def _flash_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, scale: float, offset: int,
+                  group: int, n_q_tiles: int, n_kv: int, block_q: int, block_kv: int,
+                  stages: int, positions: bool, window: int | None):
   """One CTA: ``2 * block_q`` query rows of one head, batch row ``b``.
 
   Refs: q [B,T,H,D], k/v [B,S,K,D], o [B,T,H,D], lse [B,H,T] (natural log) in GMEM;
   qo_smems [2, block_q, D] (Q, then O), k/v_smems [stages, block_kv, D], lse_smems [2, block_q];
   mbarriers: q_bars [2], k_bars/v_bars [stages] (TMA landed), k_free/v_free [stages] (both
   consumers done with the slot).
+
+  With ``positions``, four more GMEM inputs come after v: q_pos [B,T], k_pos [B,S], and the
+  visit plan of :func:`_visit_plan`, ``order`` [B, nQ, nKV] (the KV blocks this CTA reads:
+  the unmasked ones first, then the masked ones) and ``counts`` [B, nQ, 2] (how many of each:
+  ``n_full``, ``n_total``). The KV loop then walks ``order[:n_total]`` instead of ``[0, hi)``.
   """
+  if positions:
+    (qpos_ref, kpos_ref, order_ref, counts_ref, o_ref, lse_ref, qo_smems, k_smems, v_smems,
+     lse_smems, q_bars, k_bars, v_bars, k_free, v_free) = refs
+  else:
+    (o_ref, lse_ref, qo_smems, k_smems, v_smems, lse_smems, q_bars, k_bars, v_bars, k_free,
+     v_free) = refs
   tile_q = _CONSUMERS * block_q
   dtype = q_ref.dtype
   b = lax.axis_index("b")
@@ -172,11 +190,18 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
   # Both consumers walk the same KV range so that the shared ring and the ping-pong barriers see
   # the same number of steps; warpgroup 0 (the upper rows) may compute one block that is fully
   # masked for it (exact: its p is 0 there). The tile's last row sees keys <= offset + that row.
-  if causal:
+  if positions:
+    # The plan's counts: steps [0, plan_full) need no mask, [plan_full, kv_hi) do.
+    plan_full = counts_ref[b, qi, 0]
+    kv_hi = counts_ref[b, qi, 1]
+    block_of = lambda j: order_ref[b, qi, j]
+  elif causal:
     kv_hi = lax.min(jnp.int32(n_kv),
                     lax.div(offset + tile_start + tile_q + block_kv - 1, block_kv))
+    block_of = lambda j: j
   else:
     kv_hi = n_kv  # static: a traced constant would be captured by run_state below
+    block_of = lambda j: j
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -201,7 +226,14 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
     other_bar = _PINGPONG_BAR + 1 - wg
 
     plgpu.barrier_wait(q_bars.at[wg])
-    plgpu.barrier_wait(k_bars.at[0])  # kv_hi >= 1: key 0 is visible to every row
+    if positions:
+      # Explicit positions: a CTA may have nothing to read (then its rows see no key).
+      pl.when(kv_hi > 0)(lambda: plgpu.barrier_wait(k_bars.at[0]))
+      # Loaded once: the row positions of this warpgroup, for the masked blocks.
+      q_pos_rows = plgpu.load(qpos_ref.at[b, pl.ds(q_start, block_q)], layout=row_layout,
+                              optimized=False)
+    else:
+      plgpu.barrier_wait(k_bars.at[0])  # kv_hi >= 1: key 0 is visible to every row
     # Warpgroup 1 starts half a step behind: it waits for warpgroup 0's first QK^T.
     pl.when(wg == 1)(lambda: _named_barrier("sync", own_bar, 256))
 
@@ -217,7 +249,23 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
 
-      if masked:  # only on blocks that straddle the diagonal
+      if masked and positions:
+        # Only clean blocks reach the kernel (every k_pos >= 0, _visit_plan), so visibility is
+        # the causal and window terms alone.
+        kv_start = block_of(j) * block_kv
+        k_pos = plgpu.load(kpos_ref.at[b, pl.ds(kv_start, block_kv)],
+                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        q_pos = lax.broadcast_in_dim(q_pos_rows, s.shape, [0])
+        k_pos = lax.broadcast_in_dim(k_pos, s.shape, [1])
+        vis = None
+        if causal:
+          vis = k_pos <= q_pos
+        if window is not None:
+          in_window = q_pos - k_pos < window
+          vis = in_window if vis is None else vis & in_window
+        if vis is not None:  # non-causal with no window: every clean block is unmasked
+          s = jnp.where(vis, s, -jnp.inf)
+      elif masked:  # only on blocks that straddle the diagonal
         q_pos = offset + q_start + plgpu.broadcasted_iota(
             jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         k_pos = j * block_kv + plgpu.broadcasted_iota(
@@ -227,8 +275,15 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
         s = jnp.where(k_pos <= q_pos, s, -jnp.inf)
 
       m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-      alpha = jnp.exp2(m - m_new)  # m = -inf on the first block: alpha = 0, acc and l are 0
-      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      if masked and positions:
+        # With explicit positions a row may have seen nothing yet (m_new = -inf): shift by 0
+        # there, so exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN. Unmasked blocks
+        # make every row's m finite, so they skip this.
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      else:
+        m_shift = m_new
+      alpha = jnp.exp2(m - m_shift)  # m = -inf on the first block: alpha = 0, acc and l are 0
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_shift, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha + p.sum(axis=1)
       p16 = p.astype(dtype)
@@ -253,7 +308,13 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
       return acc, m_new, l
 
     carry = (acc, m, l)
-    if causal:
+    if positions:
+      carry = lax.fori_loop(0, plan_full, functools.partial(step, masked=False), carry)
+      carry = lax.cond(plan_full < kv_hi,
+                       lambda c: lax.fori_loop(plan_full, kv_hi,
+                                               functools.partial(step, masked=True), c),
+                       lambda c: c, carry)
+    elif causal:
       # Blocks below the diagonal of this warpgroup's first row need no mask.
       kv_full = lax.min(kv_hi, lax.div(offset + q_start + 1, block_kv))
       carry = lax.fori_loop(0, kv_full, functools.partial(step, masked=False), carry)
@@ -269,11 +330,19 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
     # Warpgroup 0's last arrive releases warpgroup 1's last wait.
     pl.when(wg == 0)(lambda: _named_barrier("arrive", other_bar, 256))
 
-    # l >= exp2(0) = 1 for every row (the max term), so no guard is needed.
-    inv_l = 1.0 / l
-    qo_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
     lse_smem = lse_smems.at[wg]
-    lse_smem[...] = (m + jnp.log2(l)) * _LN2
+    if positions:
+      # A row that saw no key has l = 0 and acc = 0: o = 0, lse = -inf (DESIGN contract).
+      seen = l > 0.0
+      safe_l = jnp.where(seen, l, 1.0)
+      inv_l = 1.0 / safe_l
+      lse = jnp.where(seen, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)
+    else:
+      # l >= exp2(0) = 1 for every row (the max term), so no guard is needed.
+      inv_l = 1.0 / l
+      lse = (m + jnp.log2(l)) * _LN2
+    qo_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+    lse_smem[...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
@@ -286,12 +355,12 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
     kv_head = lax.div(h, jnp.int32(group))
 
     def fetch(j, slot):
-      rows = pl.ds(j * block_kv, block_kv)
+      rows = pl.ds(block_of(j) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smems.at[slot], k_bars.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kv_head], v_smems.at[slot], v_bars.at[slot])
 
     for i in range(stages):  # fill the ring
-      if causal:
+      if causal or positions:
         pl.when(i < kv_hi)(functools.partial(fetch, i, i))
       else:
         fetch(i, i)  # stages <= n_kv by construction
@@ -299,7 +368,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smems, k_smems, v_smem
     @pl.loop(0, kv_hi - stages)
     def _refill(j):
       slot = lax.rem(j, stages)
-      rows = pl.ds((j + stages) * block_kv, block_kv)
+      rows = pl.ds(block_of(j + stages) * block_kv, block_kv)
       # K first: the consumers release K right after QK^T, V only after PV.
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kv_head], k_smems.at[slot], k_bars.at[slot])
@@ -328,10 +397,53 @@ def _smem_tile(shape, dtype):
                                               plgpu.SwizzleTransform(swizzle)))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "blocks"))
-def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockSizes):
+# Sort keys of the visit plan: unmasked blocks first, then masked ones, then the skipped.
+_VISIT_FULL, _VISIT_MASKED, _VISIT_SKIP = 0, 1, 2
+
+
+def _visit_plan(q_pos, k_pos, *, tile_q: int, block_kv: int, causal: bool,
+                window: int | None):
+  """Which KV blocks each CTA reads, from positions alone: ``(order, counts, clean)``.
+
+  ``order`` [B, nQ, nKV] int32 lists block indices, unmasked first (every key visible to every
+  row of the CTA's tile), then masked (some key visible to some row), then the rest;
+  ``counts`` [B, nQ, 2] holds how many are unmasked and how many are read in all; ``clean``
+  [B, nKV] says which blocks hold no empty slot. Only clean blocks are listed: the kernel feeds
+  V from SMEM straight into wgmma, where p = 0 cannot cancel a NaN in an empty slot (0 * NaN),
+  so blocks with empty slots go to the generic kernel, which zeroes those rows
+  (:func:`_flash_attention_mgpu`). The bounds are from per-block min/max positions, O(S + T +
+  nQ * nKV): a block listed as masked may turn out to hold nothing visible (exact: p = 0).
+  """
+  b, t = q_pos.shape
+  s = k_pos.shape[1]
+  kp = k_pos.reshape(b, s // block_kv, block_kv)
+  clean = jnp.all(kp >= 0, axis=2)                      # [B, nKV]
+  kmin, kmax = jnp.min(kp, axis=2), jnp.max(kp, axis=2)  # exact on clean blocks
+  qp = q_pos.reshape(b, t // tile_q, tile_q)
+  qmin, qmax = jnp.min(qp, axis=2), jnp.max(qp, axis=2)  # [B, nQ]
+  kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+  qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+  some = jnp.broadcast_to(clean[:, None, :], (b, t // tile_q, s // block_kv))
+  every = some
+  if causal:
+    some = some & (kmin <= qmax)
+    every = every & (kmax <= qmin)
+  if window is not None:
+    some = some & (qmin - kmax < window)
+    every = every & (qmax - kmin < window)
+  kind = jnp.where(every, _VISIT_FULL, jnp.where(some, _VISIT_MASKED, _VISIT_SKIP))
+  order = jnp.argsort(kind, axis=2, stable=True).astype(jnp.int32)
+  counts = jnp.stack([jnp.sum(kind == _VISIT_FULL, axis=2),
+                      jnp.sum(kind != _VISIT_SKIP, axis=2)], axis=2).astype(jnp.int32)
+  return order, counts, clean
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "blocks", "window"))
+def _flash_attention_mgpu(q, k, v, q_pos, k_pos, *, causal: bool, scale: float,
+                          blocks: BlockSizes, window: int | None):
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
+  positions = q_pos is not None
   # A cache shorter than the ring needs fewer stages (one, for a single KV block).
   stages = min(blocks.num_stages, s // blocks.block_kv)
   n_q_tiles = t // blocks.tile_q
@@ -339,7 +451,13 @@ def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockS
 
   kernel = functools.partial(_flash_kernel, causal=causal, scale=scale, offset=s - t,
                              group=h // kh, n_q_tiles=n_q_tiles, n_kv=n_kv,
-                             block_q=blocks.block_q, block_kv=blocks.block_kv, stages=stages)
+                             block_q=blocks.block_q, block_kv=blocks.block_kv, stages=stages,
+                             positions=positions, window=window)
+  inputs = (q, k, v)
+  if positions:
+    order, counts, clean = _visit_plan(q_pos, k_pos, tile_q=blocks.tile_q,
+                                       block_kv=blocks.block_kv, causal=causal, window=window)
+    inputs += (q_pos, k_pos, order, counts)
   ring = (stages, blocks.block_kv, d)
   o, lse = plgpu.kernel(
       kernel,
@@ -365,11 +483,24 @@ def _flash_attention_mgpu(q, k, v, *, causal: bool, scale: float, blocks: BlockS
       # approx_math: ex2.approx for exp2. No reduction scratch: the row max/sum of the WGMMA
       # layout are warp shuffles, and the 2 KiB default would keep 3 stages at D=128 out of SMEM.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-  )(q, k, v)
-  return o, jnp.transpose(lse, (0, 2, 1))
+  )(*inputs)
+  lse = jnp.transpose(lse, (0, 2, 1))
+  if not positions:
+    return o, lse
+  # Blocks with an empty slot (holes, the unfilled end of a cache) go to the generic kernel,
+  # every other block hidden from it; in the common chunked prefill there are none, and its
+  # programs find nothing to read. The two partials cover disjoint keys: an exact LSE merge.
+  hidden = jnp.repeat(clean, blocks.block_kv, axis=1)
+  o_rest, lse_rest = generic_kernel.flash_attention(q, k, v, q_pos=q_pos,
+                                                    k_pos=jnp.where(hidden, -1, k_pos),
+                                                    causal=causal, window=window,
+                                                    scale=scale)
+  from rkv.attention import merge_partials  # pylint: disable=g-import-not-at-top
+  return merge_partials(jnp.stack([o, o_rest]), jnp.stack([lse, lse_rest]))
 
 
-def _check(q, k, v, causal, blocks: BlockSizes, where: str) -> str | None:
+def _check(q, k, v, causal, blocks: BlockSizes, where: str, *,
+           positions: bool = False) -> str | None:
   """Why the fast path cannot take this call (None: it can). Shapes and dtypes only."""
   b, t, h, d = q.shape
   s = k.shape[1]
@@ -383,7 +514,9 @@ def _check(q, k, v, causal, blocks: BlockSizes, where: str) -> str | None:
     return (f"{where}: q length T={t} must be a multiple of 2 * block_q = {blocks.tile_q}")
   if s % blocks.block_kv:
     return f"{where}: kv length S={s} must be a multiple of block_kv = {blocks.block_kv}"
-  if causal and t > s:
+  # With explicit positions a row that sees no key is handled (o = 0, lse = -inf); the default
+  # positions path assumes every row sees key 0.
+  if causal and t > s and not positions:
     return f"{where}: causal needs T <= S (rows past S would see no key), got T={t}, S={s}"
   if not blocks.fits(d):
     return (f"{where}: block_sizes {blocks} need {blocks.smem_bytes(d)} bytes of SMEM at "
@@ -391,25 +524,33 @@ def _check(q, k, v, causal, blocks: BlockSizes, where: str) -> str | None:
   return None
 
 
-def flash_attention_mgpu(q, k, v, *, causal: bool = True, scale: float | None = None,
+def flash_attention_mgpu(q, k, v, *, q_pos=None, k_pos=None, causal: bool = True,
+                         window: int | None = None, scale: float | None = None,
                          block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
-  """Exact attention of q [B,T,H,D] over k/v [B,S,K,D] with default positions; (o, lse).
+  """Exact attention of q [B,T,H,D] over k/v [B,S,K,D]; returns (o, lse).
 
-  ``o`` [B,T,H,D] has q's dtype; ``lse`` [B,T,H] is float32 natural log. Causal is bottom-right
-  aligned (query i sees keys ``<= S - T + i``). Hopper only; see :func:`supports` for the shapes
-  it takes (it raises ``ValueError`` on anything else rather than falling back).
+  ``o`` [B,T,H,D] has q's dtype; ``lse`` [B,T,H] is float32 natural log. With no positions and
+  no window, causal is bottom-right aligned (query i sees keys ``<= S - T + i``) and the kernel
+  computes its masks from indices. With ``q_pos`` [B,T] / ``k_pos`` [B,S] (either; the other
+  takes its default) or a ``window``, visibility is the contract's (docs/DESIGN.md §2): empty slots
+  (``k_pos < 0``) are never read, rows that see no key give ``o = 0, lse = -inf``. Hopper only;
+  see :func:`supports` for the shapes it takes (it raises ``ValueError`` on anything else
+  rather than falling back).
   """
-  args = validation.attention_args(q, k, v, scale=scale, where="flash_attention_mgpu")
+  args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window,
+                                   scale=scale, where="flash_attention_mgpu")
+  positions = q_pos is not None or k_pos is not None or window is not None
   if block_sizes is None:
     block_sizes = _default_block_sizes(args.head_dim, args.kv_len)
   elif not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"flash_attention_mgpu: block_sizes must be a BlockSizes or None, "
                      f"got {type(block_sizes).__name__}")
-  why = _check(q, k, v, bool(causal), block_sizes, "flash_attention_mgpu")
+  why = _check(q, k, v, bool(causal), block_sizes, "flash_attention_mgpu", positions=positions)
   if why is not None:
     raise ValueError(why)
-  return _flash_attention_mgpu(q, k, v, causal=bool(causal), scale=args.scale,
-                               blocks=block_sizes)
+  return _flash_attention_mgpu(q, k, v, args.q_pos if positions else None,
+                               args.k_pos if positions else None, causal=bool(causal),
+                               scale=args.scale, blocks=block_sizes, window=window)
 
 
 def _is_hopper() -> bool:
@@ -424,12 +565,12 @@ def unsupported_reason(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale
                        causal=True, window=None, softcap=None, scale=None,
                        block_sizes=None) -> str | None:
   """Why :func:`flash_attention_mgpu` cannot compute this ``rkv.attention`` call exactly, or
-  None if it can on a Hopper GPU. Looks at options, shapes and dtypes only, never at values
-  (explicit positions are rejected even if they equal the defaults), so it runs on any backend.
+  None if it can on a Hopper GPU. Looks at options, shapes and dtypes only, never at values,
+  so it runs on any backend. Explicit positions and windows are taken; int8 K/V and softcap
+  stay on the generic kernel.
   """
   del scale  # any scale is supported
-  for name, val in (("q_pos", q_pos), ("k_pos", k_pos), ("k_scale", k_scale),
-                    ("v_scale", v_scale), ("window", window), ("softcap", softcap),
+  for name, val in (("k_scale", k_scale), ("v_scale", v_scale), ("softcap", softcap),
                     ("block_sizes", block_sizes)):
     if val is not None:
       return f"supports: {name} must be None for the Mosaic GPU path, got a value"
@@ -437,7 +578,8 @@ def unsupported_reason(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale
     if len(getattr(x, "shape", ())) != 4:
       return f"supports: {name} must be rank 4, got shape {getattr(x, 'shape', None)}"
   blocks = _default_block_sizes(q.shape[-1], k.shape[1])
-  return _check(q, k, v, bool(causal), blocks, "supports")
+  positions = q_pos is not None or k_pos is not None or window is not None
+  return _check(q, k, v, bool(causal), blocks, "supports", positions=positions)
 
 
 def supports(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
@@ -445,8 +587,8 @@ def supports(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, cau
   """Whether :func:`flash_attention_mgpu` computes exactly this ``rkv.attention`` call here.
 
   False (the caller uses the generic kernel) off a Hopper GPU, and for every case
-  :func:`unsupported_reason` names: explicit positions, int8 K/V, sliding windows, softcap,
-  float32, head dims outside {64, 128, 256}, lengths that are not block multiples, causal T > S,
+  :func:`unsupported_reason` names: int8 K/V, softcap, float32, head dims outside
+  {64, 128, 256}, lengths that are not block multiples, causal T > S with default positions,
   explicit block sizes.
   """
   if not _is_hopper():
