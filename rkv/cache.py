@@ -47,11 +47,13 @@ import functools
 import json
 import os
 import zlib
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import tactics
 from rkv.offload import memory
 
 DEFAULT_TILE_CELLS = 32768  # docs/DESIGN.md §7: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
@@ -93,7 +95,13 @@ class RollingKV:
   ``n_full_tiles`` tiles hold data.
 
   Static fields: ``window_cells`` W, ``tile_cells``, ``capacity`` (W + P), ``fill`` (cells
-  written). ``W == capacity`` means no tail and no staging: attention is the resident path.
+  written), and how a layer attends to it: ``tactic`` (one of ``rkv.tactics.ROLLING``:
+  ``stream``, ``cpu``, ``hybrid``) with ``cpu_fraction`` (``hybrid``: the share of the tail's full
+  tiles on the CPU), set by :meth:`with_tactic`. ``W == capacity`` means no tail and no staging:
+  attention is the resident path.
+
+  A layer cache (``rkv.models.kv.LayerCache``): :meth:`attend` appends a chunk and attends with
+  the cache's tactic; its fill is static, so it runs eagerly (``jittable`` False).
   """
 
   window: KVBlock
@@ -103,12 +111,19 @@ class RollingKV:
   tile_cells: int
   capacity: int
   fill: int
+  tactic: str = "stream"
+  cpu_fraction: float | None = None
+
+  jittable: ClassVar[bool] = False
 
   def __repr__(self):
+    how = "" if self.tactic == "stream" else (
+        f", tactic={self.tactic}" + ("" if self.cpu_fraction is None
+                                     else f", cpu_fraction={self.cpu_fraction:g}"))
     return (f"RollingKV(B={self.batch}, K={self.num_kv_heads}, D={self.head_dim}, "
             f"dtype={np.dtype(self.dtype).name}, fill={self.fill}/{self.capacity}, "
             f"W={self.window_cells}, tile={self.tile_cells}, tail_tiles={self.n_full_tiles}/"
-            f"{self.n_tail_tiles}, staged={self.n_staged})")
+            f"{self.n_tail_tiles}, staged={self.n_staged}{how})")
 
   # --- derived sizes (all static) ---
   @property
@@ -201,6 +216,49 @@ class RollingKV:
     """See :func:`append`."""
     return append(self, k, v, pos, k_scale=k_scale, v_scale=v_scale)
 
+  def with_tactic(self, tactic: str, cpu_fraction: float | None = None) -> "RollingKV":
+    """The same cache attended with ``tactic`` (``stream``, ``cpu`` or ``hybrid``; ``hybrid``
+    with ``cpu_fraction`` of the tail's full tiles on the CPU, default 0.5). Shares the arrays."""
+    where = "RollingKV.with_tactic"
+    if tactic not in tactics.ROLLING:
+      raise ValueError(f"{where}: tactic must be one of {tactics.ROLLING} (a 'head' layer is a "
+                       f"rkv.HeadSplitKV), got {tactic!r}")
+    return dataclasses.replace(self, tactic=tactic, cpu_fraction=tactics.check_cpu_fraction(
+        cpu_fraction, tactic, where))
+
+  # --- the layer-cache protocol (rkv.models.kv.LayerCache) ---
+  @property
+  def room(self) -> int:
+    """Cells the cache can still take."""
+    return self.capacity - self.fill
+
+  def next_position(self) -> jax.Array:
+    """The position after the last cell written: the default start of the next chunk."""
+    return jnp.int32(self.fill)
+
+  def attend(self, q, k, v, positions, **kw) -> tuple[jax.Array, "RollingKV"]:
+    """Appends the chunk's ``k, v`` at ``positions`` and returns ``(o, new cache)``: causal
+    :func:`rkv.rolling_attention` of ``q`` over every cell with the cache's tactic (``kw``: its
+    ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``staged``)."""
+    from rkv import rolling  # rolling builds on this module
+    from rkv.attention import MAX_DECODE_QUERIES
+    with jax.profiler.TraceAnnotation("rkv.append"):
+      new = self.append(k, v, positions)
+    tactic, share = self.tactic, self.cpu_fraction
+    if tactic in tactics.HOST_KERNEL and q.shape[1] > MAX_DECODE_QUERIES:
+      # A prefill chunk's tail attention is compute-bound (T queries per key read), where the CPU
+      # cores are ~100x slower than the GPU; the cpu/hybrid split is for the memory-bound decode
+      # step. The chunk streams its tail instead (the same cells, merged the same way).
+      tactic, share = "stream", None
+    o, _ = rolling.rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
+                                     cpu_fraction=share, **kw)
+    return o, new
+
+  def streamed_tiles(self) -> tuple:
+    """The host tiles a step streams, in order, for a prefetcher (``()`` for ``cpu``)."""
+    from rkv import rolling
+    return rolling.streamed_tiles(self)
+
   def cells(self) -> dict:
     """All written cells in order as numpy arrays ``[B,fill,...]`` (None for absent scales).
 
@@ -219,7 +277,7 @@ class RollingKV:
 
 jax.tree_util.register_dataclass(
     RollingKV, data_fields=["window", "staging", "tail"],
-    meta_fields=["window_cells", "tile_cells", "capacity", "fill"])
+    meta_fields=["window_cells", "tile_cells", "capacity", "fill", "tactic", "cpu_fraction"])
 
 
 def _tiles(tail: KVBlock) -> tuple[KVBlock, ...]:

@@ -4,7 +4,7 @@
   planned tactic: ``resident`` layers get a :class:`rkv.models.ResidentCache` (a
   :class:`rkv.models.RingCache` for a sliding-window layer), ``stream`` layers a
   :class:`rkv.RollingKV` with the plan's W and tile, ``cpu`` / ``hybrid`` layers the same cache
-  wrapped in a :class:`rkv.models.TacticKV` naming the tactic (``hybrid``: with the plan's CPU
+  with the tactic as its static data (``RollingKV.with_tactic``; ``hybrid``: with the plan's CPU
   share of the tail, :func:`cpu_fraction`), ``head`` layers a :class:`rkv.HeadSplitKV` with the
   plan's ``resident_heads``.
 - :func:`force_tactic` (and :func:`force_stream`) overrides a plan's layout for gates and tests.
@@ -16,7 +16,8 @@ Compilation: when every cache is resident or a ring, the model runs through
 :func:`rkv.models.jit_forward`: the fill level is data, so the decode step ``[B,1]`` traces once
 and each prefill chunk shape once. A :class:`rkv.RollingKV` has a *static* fill (its window /
 staging / tail split is structure), so a jitted step would retrace every token; with any such
-layer (a ``TacticKV`` or ``HeadSplitKV`` holds RollingKVs) the model runs through
+layer (a cache whose ``jittable`` is False: a RollingKV, or a HeadSplitKV of them) the model
+runs through
 :func:`rkv.models.layered_forward`: each such layer is a jitted half before attention, the
 cache's eager attention (``rkv.rolling_attention``'s streaming schedule, or the ``cpu`` /
 ``hybrid`` host kernel, which only exist outside ``jit``), and a jitted half after it; resident
@@ -38,11 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import planner
-from rkv import rolling
 from rkv import tactics
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV, _check_heads
-from rkv.models.kv import ROLLING_TACTICS, ResidentCache, RingCache, TacticKV
+from rkv.models.kv import ROLLING_TACTICS, LayerCache, ResidentCache, RingCache
 from rkv.models.transformer import jit_forward, layered_forward
 from rkv.planner import LayerPlan, Plan
 from rkv.rolling import DEFAULT_CPU_FRACTION
@@ -74,16 +74,13 @@ def cpu_fraction(lp: LayerPlan) -> float | None:
   return DEFAULT_CPU_FRACTION if lp.cpu_fraction is None else lp.cpu_fraction
 
 
-def serve_rolling(lp: LayerPlan, kv: RollingKV):
-  """``kv``, built for layer plan ``lp`` (tactic ``stream``, ``cpu`` or ``hybrid``), as the model
-  attends to it: the plain ``RollingKV`` for ``stream`` (rkv.models.kv serves it by streaming),
-  else a :class:`TacticKV` naming the tactic (and the hybrid's :func:`cpu_fraction`)."""
+def serve_rolling(lp: LayerPlan, kv: RollingKV) -> RollingKV:
+  """``kv``, built for layer plan ``lp`` (tactic ``stream``, ``cpu`` or ``hybrid``), carrying the
+  plan's tactic (and the hybrid's :func:`cpu_fraction`) as its static data."""
   if lp.tactic not in ROLLING_TACTICS:
     raise ValueError(f"serve_rolling: layer {lp.layer}'s tactic {lp.tactic!r} is not served by a "
                      f"RollingKV (expected one of {ROLLING_TACTICS})")
-  if lp.tactic == "stream":
-    return kv
-  return TacticKV(kv, lp.tactic, cpu_fraction(lp))
+  return kv.with_tactic(lp.tactic, cpu_fraction(lp))
 
 
 def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None,
@@ -177,7 +174,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   if tactic == "head":
     r = _check_heads(resident_heads, s.num_kv_heads, where)
   if tactic == "hybrid":  # the same check as rolling_attention's
-    share = rolling._check_fraction(cpu_fraction, tactic, where)
+    share = tactics.check_cpu_fraction(cpu_fraction, tactic, where)
   lay = planner.layer_layout(planner.cell_sizes(s, plan.batch), cap, window_cells, tile_cells,
                              r or 0)
   layers = []
@@ -201,23 +198,18 @@ def force_stream(plan: Plan, window_cells: int, tile_cells: int, *, local: bool 
 # Running the model
 # ----------------------------------------------------------------------------------------------
 def _all_jittable(caches) -> bool:
-  return all(isinstance(c, ResidentCache) for c in caches)  # RingCache is a ResidentCache
+  return all(c.jittable for c in caches)
 
 
 def _cache_room(caches) -> tuple[int | None, int]:
   """(cells the tightest bounded cache can still take — None if all are rings, fill)."""
   room, fill = None, 0
   for c in caches:
-    if isinstance(c, RingCache):
+    r = c.room
+    if r is None:  # a ring never fills
       continue
-    if isinstance(c, (RollingKV, TacticKV, HeadSplitKV)):
-      cap, n = c.capacity, c.fill
-    elif isinstance(c, ResidentCache):
-      cap, n = c.capacity, int(c.length)
-    else:
-      raise ValueError(f"caches: unsupported cache type {type(c).__name__}")
-    fill = max(fill, n)
-    room = cap - n if room is None else min(room, cap - n)
+    fill = max(fill, int(c.next_position()))
+    room = r if room is None else min(room, r)
   return room, fill
 
 
@@ -226,6 +218,10 @@ def _check_caches(where, model, caches):
   if len(caches) != model.config.num_layers:
     raise ValueError(f"{where}: caches must hold one cache per layer ({model.config.num_layers}),"
                      f" got {len(caches)}")
+  for i, c in enumerate(caches):
+    if not isinstance(c, LayerCache):
+      raise ValueError(f"caches: unsupported cache type {type(c).__name__} (layer {i}): a cache "
+                       f"implements rkv.models.kv.LayerCache")
   return caches
 
 
@@ -250,7 +246,7 @@ def _check_chunk(where, chunk):
 class _Stepper:
   """Runs one model step on ``(tokens [B,T], positions [B,T], caches)`` -> ``([B,1,V], caches)``:
   the jitted form when every cache is resident/ring, else :func:`rkv.models.layered_forward`
-  (layers holding a RollingKV — plain, in a TacticKV or in a HeadSplitKV — attend eagerly between
+  (layers whose cache is not ``jittable`` — a RollingKV or a HeadSplitKV — attend eagerly between
   jitted halves). ``schedule``: the rolling caches' streaming schedule (None: the default)."""
 
   def __init__(self, model, caches, forward=None, schedule=None):
@@ -340,7 +336,7 @@ class Generation:
   """``tokens [B, max_new_tokens]`` int32 (the prompt excluded); seconds and tokens/s of the
   prefill and of the decode steps (decode: the tokens after the first, which prefill yields);
   ``jitted``: whether the steps ran through jit (False: some layer holds a RollingKV, plain or
-  in a TacticKV / HeadSplitKV)."""
+  in a HeadSplitKV)."""
 
   tokens: np.ndarray
   prefill_s: float

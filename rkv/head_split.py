@@ -7,12 +7,14 @@ each part with its own heads of ``q`` (query head h uses KV head ``h // G``: the
 query heads go with the resident part) and concatenates ``o`` and ``lse`` along the head axis:
 attention is independent per head, so the result equals attention over the whole cache.
 
-``R == 0`` or ``R == K`` leaves one part empty: it is stored as ``None``.
+``R == 0`` or ``R == K`` leaves one part empty: it is stored as ``None``. A layer cache
+(``rkv.models.kv.LayerCache``) whose tactic is ``head``; eager like the RollingKVs it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,10 @@ class HeadSplitKV:
   rolled: cache_lib.RollingKV | None
   resident_heads: int
   num_kv_heads: int
+
+  tactic: ClassVar[str] = "head"
+  cpu_fraction: ClassVar[None] = None
+  jittable: ClassVar[bool] = False
 
   def __repr__(self):
     return (f"HeadSplitKV(R={self.resident_heads}/{self.num_kv_heads}, resident={self.resident!r}, "
@@ -126,6 +132,26 @@ class HeadSplitKV:
       rolled = rolled.append(take(k, r, kh), take(v, r, kh), pos,
                              k_scale=take(k_scale, r, kh), v_scale=take(v_scale, r, kh))
     return dataclasses.replace(self, resident=resident, rolled=rolled)
+
+  # --- the layer-cache protocol (rkv.models.kv.LayerCache) ---
+  @property
+  def room(self) -> int:
+    return self.capacity - self.fill
+
+  def next_position(self) -> jax.Array:
+    return jnp.int32(self.fill)
+
+  def attend(self, q, k, v, positions, **kw) -> tuple[jax.Array, "HeadSplitKV"]:
+    """Appends the chunk (split by KV head) and attends with the ``head`` tactic: each part with
+    its query heads (:func:`rkv.rolling_attention`)."""
+    from rkv import rolling  # rolling builds on this module
+    with jax.profiler.TraceAnnotation("rkv.append"):
+      new = self.append(k, v, positions)
+    o, _ = rolling.rolling_attention(q, new, q_pos=positions, causal=True, tactic="head", **kw)
+    return o, new
+
+  def streamed_tiles(self) -> tuple:
+    return ()  # the rolled heads stream inside their own call
 
 
 jax.tree_util.register_dataclass(HeadSplitKV, data_fields=["resident", "rolled"],

@@ -65,7 +65,7 @@ from rkv.offload import stream
 # "auto": "stream" for a RollingKV, "head" for a HeadSplitKV (no profile is consulted here: the
 # planner, rkv.planner, names each layer's tactic).
 TACTICS = ("auto",) + tactics_lib.OFFLOADED
-DEFAULT_CPU_FRACTION = 0.5
+DEFAULT_CPU_FRACTION = tactics_lib.DEFAULT_CPU_FRACTION
 SCHEDULES = stream.SCHEDULES
 DEFAULT_SCHEDULE = stream.DEFAULT_SCHEDULE
 DEFAULT_LOOKAHEAD = stream.DEFAULT_LOOKAHEAD
@@ -104,6 +104,13 @@ def _all_staged(tiles) -> bool:
   the eager dispatches of a 128K half-offloaded hybrid layer took 1.8 ms of host time
   (decode_trace_h200_prefetch.json), the host being that row's bottleneck."""
   return bool(tiles) and all(stream.on_device(t) for t in tiles)
+
+
+def streamed_tiles(kv: cache_lib.RollingKV) -> tuple[stream.Tile, ...]:
+  """The host tiles a step's attention over ``kv`` streams to the device, in order, with the
+  cache's own tactic and CPU share: what a prefetcher may request ahead of the layer."""
+  n = streamed_count(kv.n_full_tiles, kv.tactic, kv.cpu_fraction)
+  return _tiles(kv, n) if n else ()
 
 
 def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int:
@@ -194,17 +201,7 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def _check_fraction(cpu_fraction, tactic, where):
-  if cpu_fraction is None:
-    return DEFAULT_CPU_FRACTION if tactic == "hybrid" else None
-  if tactic != "hybrid":
-    raise ValueError(f"{where}: cpu_fraction is only valid with tactic='hybrid', got "
-                     f"tactic={tactic!r}")
-  if (isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float))
-      or not 0.0 <= float(cpu_fraction) <= 1.0):
-    raise ValueError(f"{where}: cpu_fraction must be a number in [0, 1] (the share of the tail's "
-                     f"tiles attended on the CPU), got {cpu_fraction!r}")
-  return float(cpu_fraction)
+_check_fraction = tactics_lib.check_cpu_fraction
 
 
 def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):

@@ -53,6 +53,25 @@ MODES = ("auto", "resident") + OFFLOADED
 DEPRECATED_MODES = {"window": "stream"}
 
 
+# The hybrid split when none is given: half the tail's full tiles on the CPU.
+DEFAULT_CPU_FRACTION = 0.5
+
+
+def check_cpu_fraction(cpu_fraction, tactic: str, where: str) -> float | None:
+  """The CPU share ``tactic`` runs with: ``hybrid``'s in [0, 1] (default
+  :data:`DEFAULT_CPU_FRACTION`), None for every other tactic (a share given to one raises)."""
+  if cpu_fraction is None:
+    return DEFAULT_CPU_FRACTION if tactic == "hybrid" else None
+  if tactic != "hybrid":
+    raise ValueError(f"{where}: cpu_fraction is only valid with tactic='hybrid', got "
+                     f"tactic={tactic!r}")
+  if (isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float))
+      or not 0.0 <= float(cpu_fraction) <= 1.0):
+    raise ValueError(f"{where}: cpu_fraction must be a number in [0, 1] (the share of the tail's "
+                     f"tiles attended on the CPU), got {cpu_fraction!r}")
+  return float(cpu_fraction)
+
+
 def spec(name: str) -> TacticSpec:
   """The :class:`TacticSpec` of ``name``; ``ValueError`` naming the known tactics otherwise."""
   if name not in BY_NAME:

@@ -320,7 +320,7 @@ def test_host_tactic_layers_int8_batch2(tactic):
   plan, _ = decode_bench._offload_plan(cfg, mc, 512)
   plan = gen.force_tactic(plan, tactic, window_cells=128, tile_cells=128)
   caches = decode_bench.build_caches(cfg, mc, 512, jax.random.key(0), plan, log=lambda m: None)
-  assert all(c.tactic == tactic and c.kv.quantized and c.kv.n_full_tiles == 2 for c in caches)
+  assert all(c.tactic == tactic and c.quantized and c.n_full_tiles == 2 for c in caches)
   model = Transformer(mc, rngs=nnx.Rngs(0))
   step = _Stepper(model, caches, None)
   times, _, caches = decode_bench._decode_rkv(step, caches, cfg.fill(512), 0, 2, 2)

@@ -240,8 +240,8 @@ def test_tactic_caches_generate_like_resident(gemma2, tactic, kw):
   plan = gen.force_tactic(base, tactic, 5, 4, **kw)
   assert plan.tactics() == ("resident", tactic)
   caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
-  want = rkv.HeadSplitKV if tactic == "head" else models.TacticKV
-  assert isinstance(caches[1], want)
+  want = rkv.HeadSplitKV if tactic == "head" else rkv.RollingKV
+  assert isinstance(caches[1], want) and caches[1].tactic == tactic
   out = gen.generate(model, tokens[:, :18], max_new_tokens=5, caches=caches)
   assert not out.jitted and isinstance(out.caches[1], want) and out.caches[1].fill == 22
   assert gates.greedy_match(ref, out.tokens) == {
@@ -295,15 +295,16 @@ def test_caches_from_a_real_plan(mode):
       assert c.resident_heads == lp.resident_heads
       assert c.rolled.window_cells == lp.window_cells and c.rolled.tile_cells == lp.tile_cells
       continue
-    assert isinstance(c, models.TacticKV) and c.tactic == mode
-    assert (c.kv.window_cells, c.kv.tile_cells) == (lp.window_cells, lp.tile_cells)
-    assert c.kv.n_tail_tiles == lp.host_cells // lp.tile_cells
+    assert isinstance(c, rkv.RollingKV) and c.tactic == mode
+    assert (c.window_cells, c.tile_cells) == (lp.window_cells, lp.tile_cells)
+    assert c.n_tail_tiles == lp.host_cells // lp.tile_cells
     if mode == "cpu":
       assert c.cpu_fraction is None and lp.hybrid_fraction is not None  # modeled, unused
       continue
-    # The plan stores the share streamed in whole tiles of the full tail; the cache the share on
-    # the CPU, and rolling_attention's half-up rounding gives back the planned tile counts.
-    n = c.kv.n_tail_tiles
+    # The model splits by the share streamed in whole tiles of the full tail; the plan and the
+    # cache store the share on the CPU, and rolling_attention's half-up rounding gives back the
+    # planned tile counts.
+    n = c.n_tail_tiles
     n_stream = round(lp.hybrid_fraction * n)
     assert n == 3 and 0 < n_stream < n, plan.table()
     assert c.cpu_fraction == gen.cpu_fraction(lp)
@@ -381,12 +382,12 @@ def test_force_tactic_bad_inputs_name_the_argument():
     gen.caches_from_plan(cfg, _with_layers(head, resident_heads=5), 1)
   kv = rkv.RollingKV.empty(1, 8, 2, 16, window_cells=2, tile_cells=2)
   with pytest.raises(ValueError, match="tactic"):
-    models.TacticKV(kv, "head")
+    kv.with_tactic("head")
   with pytest.raises(ValueError, match="cpu_fraction"):
-    models.TacticKV(kv, "cpu", cpu_fraction=0.5)
+    kv.with_tactic("cpu", cpu_fraction=0.5)
   with pytest.raises(ValueError, match="cpu_fraction"):
-    models.TacticKV(kv, "hybrid", cpu_fraction=2.0)
-  assert models.TacticKV(kv, "hybrid").cpu_fraction == 0.5
+    kv.with_tactic("hybrid", cpu_fraction=2.0)
+  assert kv.with_tactic("hybrid").cpu_fraction == 0.5
   with pytest.raises(ValueError, match="tactic"):
     gen.serve_rolling(head.layers[0], kv)
 

@@ -3,8 +3,8 @@
 Each fixture checkpoint (``tests/fixtures/hf/<arch>``) is teacher-forced through resident/ring
 caches and through caches forced to a tiny window (W=5, tile=4: of the 32 cells, most live in the
 host tail, the tail is not a multiple of the tile, and staging tiles flush during both the prefill
-and the decode steps), once per tactic: ``stream`` (RollingKV), ``cpu`` and ``hybrid`` (a
-TacticKV: the host C kernel attends to all / the last ``cpu_fraction`` of the tail's tiles) and
+and the decode steps), once per tactic: ``stream``, ``cpu`` and ``hybrid`` (a RollingKV carrying the
+tactic: the host C kernel attends to all / the last ``cpu_fraction`` of the tail's tiles) and
 ``head`` (a HeadSplitKV with R = 0 and R = max(1, K // 2) KV heads resident: 0 < R < K at K = 2,
 R = K at K = 1). Each is checked against the resident logits with the named float32 thresholds of
 :mod:`rkv.gates`; the resident and stream logits also against HF's full-forward logits.
@@ -96,8 +96,8 @@ def check_cache_types(caches, plan, tactic, kw, num_kv_heads):
       if c.rolled is not None:
         assert c.rolled.window_cells == W and c.rolled.tile_cells == TILE
     else:
-      assert isinstance(c, models.TacticKV) and c.tactic == tactic
-      assert c.kv.window_cells == W and c.kv.tile_cells == TILE
+      assert isinstance(c, rkv.RollingKV) and c.tactic == tactic
+      assert c.window_cells == W and c.tile_cells == TILE
       assert c.cpu_fraction == kw.get("cpu_fraction")
 
 

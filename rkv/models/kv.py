@@ -1,8 +1,19 @@
-"""Per-layer KV caches of the models, and the one function the attention layer calls on them.
+"""Per-layer KV caches of the models: one small protocol every cache implements.
 
-A cache is an explicit pytree passed into the model and returned updated (docs/DESIGN.md §4). The model
-never looks inside it: each attention layer calls :func:`attend` with its cache, which dispatches
-on the cache's type:
+A cache is an explicit pytree passed into the model and returned updated (docs/DESIGN.md §4). The
+model and the generation loop never look inside it, nor ask which type it is: every cache is a
+:class:`LayerCache` —
+
+- ``attend(q, k, v, positions, *, window, softcap, scale, impl, ...) -> (o, new_cache)``: writes
+  the chunk's cells and returns causal attention of ``q`` over every cell held, the chunk's too;
+- ``next_position()``: the position after the last cell (the default start of the next chunk);
+- ``room``: cells it can still take (None: a ring, which never fills);
+- ``jittable``: whether ``attend`` can run inside ``jax.jit`` (the fill level is data) or must run
+  eagerly between jitted halves (``rkv.models.layered_forward``: the fill is static structure);
+- ``tactic`` (and ``cpu_fraction``): how it is attended, static data on the cache
+  (``rkv.tactics``); ``streamed_tiles()``: the host tiles a step streams, for a prefetcher.
+
+The caches:
 
 - :class:`ResidentCache` — ``k, v [B,S_max,K,D]``, ``pos [B,S_max]`` (-1 = empty), ``length`` (a
   traced int32 scalar: slots written). New cells go to slots ``length .. length+T-1`` with
@@ -14,20 +25,15 @@ on the cache's type:
   ring (the cells before this chunk) and the chunk's own keys; the chunk is written afterwards,
   modulo R. Positions make this exact whatever the slot order: a query at p needs keys in
   ``(p - W, p]``, and the ring holds the last R >= W - 1 cells before the chunk.
-- ``rkv.RollingKV`` (device window + pinned-host tail, :mod:`rkv.cache`) is registered too: a plan
-  can give any layer one, and :func:`rkv.rolling_attention` serves it with the ``stream`` tactic.
-  Its fill level is static, so run such a model with :func:`rkv.models.layered_forward` (jitted
-  halves around an eager attention), not under one ``jit`` (one trace per fill level).
-- :class:`TacticKV` — a ``RollingKV`` plus the tail tactic that serves it (``stream``, ``cpu`` or
-  ``hybrid`` with its ``cpu_fraction``) as static pytree metadata: the cache says how it is
-  attended, so the model and the decode loop stay tactic-blind. ``cpu`` / ``hybrid`` run the host
-  C kernel over concrete arrays: eager only, like the rolling cache itself.
+- ``rkv.RollingKV`` (device window + pinned-host tail, :mod:`rkv.cache`), attended with its own
+  ``tactic`` (``stream``, ``cpu``, or ``hybrid`` with its ``cpu_fraction``;
+  ``RollingKV.with_tactic``) by :func:`rkv.rolling_attention`. ``cpu`` / ``hybrid`` run the host C
+  kernel over concrete arrays: eager only, like the rolling cache itself.
 - ``rkv.HeadSplitKV`` (the ``head`` tactic: R KV heads fully resident, the other ``K - R``
-  rolled) is registered as is: it already carries R, and ``rolling_attention`` splits the query
-  heads between its parts.
+  rolled): ``rolling_attention`` splits the query heads between its parts.
 
-Another cache type plugs in with ``@attend.register`` (and ``@next_position.register``); the
-model runs unchanged.
+Another cache type plugs in by implementing the protocol; the model runs unchanged, and
+``tests/cache_contract_test.py`` runs the shared contract on it with a few lines.
 
 Slots are shared by the batch rows, positions are per row: rows of different lengths are
 left-padded with position -1 (a padded token's K/V is stored as empty and never seen).
@@ -36,18 +42,31 @@ left-padded with position -1 (a padded token's K/V is stored as empty and never 
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkv import rolling
 from rkv import tactics
-from rkv.attention import MAX_DECODE_QUERIES, attention, merge
-from rkv.cache import RollingKV
-from rkv.head_split import HeadSplitKV
-from rkv.rolling import rolling_attention
+from rkv.attention import attention, merge
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+  """What every per-layer cache implements (module docstring)."""
+
+  tactic: str
+  jittable: bool
+
+  @property
+  def room(self) -> int | None: ...
+
+  def next_position(self) -> jax.Array: ...
+
+  def attend(self, q, k, v, positions, **kw) -> tuple[jax.Array, "LayerCache"]: ...
+
+  def streamed_tiles(self) -> tuple: ...
 
 
 def _concrete_int(x) -> int | None:
@@ -83,6 +102,10 @@ class ResidentCache:
   pos: jax.Array
   length: jax.Array
 
+  tactic: ClassVar[str] = "resident"
+  cpu_fraction: ClassVar[None] = None
+  jittable: ClassVar[bool] = True  # the fill level is data: one trace for every step
+
   @classmethod
   def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16):
     if capacity < 1:
@@ -117,6 +140,26 @@ class ResidentCache:
                                pos=upd(self.pos, positions.astype(jnp.int32)),
                                length=self.length + t)
 
+  append = write
+
+  # --- the layer-cache protocol ---
+  @property
+  def room(self) -> int | None:
+    """Slots left (needs a concrete ``length``: call it outside ``jit``)."""
+    return self.capacity - int(self.length)
+
+  def next_position(self) -> jax.Array:
+    return self.length
+
+  def attend(self, q, k, v, positions, *, window, softcap, scale, impl):
+    new = self.write(k, v, positions)
+    o, _ = attention(q, new.k, new.v, q_pos=positions, k_pos=new.pos, causal=True, window=window,
+                     softcap=softcap, scale=scale, impl=impl)
+    return o, new
+
+  def streamed_tiles(self) -> tuple:
+    return ()
+
 
 @dataclasses.dataclass(frozen=True)
 class RingCache(ResidentCache):
@@ -136,164 +179,53 @@ class RingCache(ResidentCache):
                                pos=put(self.pos, positions.astype(jnp.int32)),
                                length=self.length + t)
 
+  append = write
+
+  @property
+  def room(self) -> None:
+    return None  # a ring never fills: it keeps the last R cells
+
+  def attend(self, q, k, v, positions, *, window, softcap, scale, impl):
+    if window is None or self.capacity < window - 1:
+      raise ValueError(f"RingCache: a ring of R={self.capacity} slots serves a sliding-window "
+                       f"layer with W <= R + 1, got window={window}")
+    kw = dict(causal=True, window=window, softcap=softcap, scale=scale, impl=impl)
+    o_ring, lse_ring = attention(q, self.k, self.v, q_pos=positions, k_pos=self.pos, **kw)
+    o_new, lse_new = attention(q, k.astype(self.k.dtype), v.astype(self.v.dtype),
+                               q_pos=positions, k_pos=positions, **kw)
+    o, _ = merge(o_ring, lse_ring, o_new, lse_new)
+    return o, self.write(k, v, positions)
+
 
 for _cls in (ResidentCache, RingCache):
   jax.tree_util.register_dataclass(_cls, data_fields=["k", "v", "pos", "length"], meta_fields=[])
 
 
-# The tactics a TacticKV names; "head" is a HeadSplitKV of its own (its parts hold the heads).
+# The rolling tactics (served by a RollingKV with the tactic as static data).
 ROLLING_TACTICS = tactics.ROLLING
 
 
-@dataclasses.dataclass(frozen=True)
-class TacticKV:
-  """One layer's :class:`rkv.RollingKV` (``kv``, the data) and the tail tactic serving it
-  (static): ``tactic`` in ``ROLLING_TACTICS``; ``cpu_fraction``: ``hybrid`` only, the share of the
-  tail's full tiles attended on the CPU (``rkv.rolling_attention``'s argument; default 0.5),
-  None otherwise. A plain ``RollingKV`` is served like ``TacticKV(kv, "stream")``."""
-
-  kv: RollingKV
-  tactic: str = "stream"
-  cpu_fraction: float | None = None
-
-  def __post_init__(self):
-    # Only the static fields are checked: unflattening may rebuild the node around non-arrays.
-    where = "TacticKV"
-    if self.tactic not in ROLLING_TACTICS:
-      raise ValueError(f"{where}: tactic must be one of {ROLLING_TACTICS} (a 'head' layer is a "
-                       f"rkv.HeadSplitKV), got {self.tactic!r}")
-    object.__setattr__(self, "cpu_fraction",
-                       rolling._check_fraction(self.cpu_fraction, self.tactic, where))
-
-  def __repr__(self):
-    share = "" if self.cpu_fraction is None else f", cpu_fraction={self.cpu_fraction:g}"
-    return f"TacticKV({self.tactic}{share}, {self.kv!r})"
-
-  @property
-  def fill(self) -> int:
-    return self.kv.fill
-
-  @property
-  def capacity(self) -> int:
-    return self.kv.capacity
-
-  def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "TacticKV":
-    """:meth:`rkv.RollingKV.append` on ``kv``, the tactic kept (``kv``'s buffers are donated)."""
-    return dataclasses.replace(self, kv=self.kv.append(k, v, pos, k_scale=k_scale,
-                                                       v_scale=v_scale))
-
-
-jax.tree_util.register_dataclass(TacticKV, data_fields=["kv"],
-                                 meta_fields=["tactic", "cpu_fraction"])
-
-
 # ----------------------------------------------------------------------------------------------
-# The attention layer's entry point
+# The attention layer's entry points: thin calls of the protocol
 # ----------------------------------------------------------------------------------------------
-@functools.singledispatch
-def attend(cache, q, k, v, positions, *, window, softcap, scale, impl):
-  """Writes the chunk's ``k, v [B,T,K,D]`` at ``positions [B,T]`` into ``cache`` and returns
-  ``(o [B,T,H,D], new_cache)``: causal attention of ``q [B,T,H,D]`` (at the same positions) over
-  every cell the cache holds, this chunk included."""
-  raise TypeError(f"rkv.models.kv.attend: no attention registered for cache type "
-                  f"{type(cache).__name__}; register one with @rkv.models.kv.attend.register")
+def attend(cache: LayerCache, q, k, v, positions, **kw):
+  """``cache.attend(...)``: writes the chunk's ``k, v [B,T,K,D]`` at ``positions [B,T]`` and
+  returns ``(o [B,T,H,D], new_cache)``, causal attention of ``q`` over every cell held."""
+  if not isinstance(cache, LayerCache):
+    raise TypeError(f"rkv.models.kv.attend: no attention registered for cache type "
+                    f"{type(cache).__name__}: a cache implements rkv.models.kv.LayerCache "
+                    f"(attend, next_position, room, jittable, tactic, streamed_tiles)")
+  return cache.attend(q, k, v, positions, **kw)
 
 
-@attend.register
-def _(cache: ResidentCache, q, k, v, positions, *, window, softcap, scale, impl):
-  new = cache.write(k, v, positions)
-  o, _ = attention(q, new.k, new.v, q_pos=positions, k_pos=new.pos, causal=True, window=window,
-                   softcap=softcap, scale=scale, impl=impl)
-  return o, new
+def next_position(cache: LayerCache) -> jax.Array:
+  """``cache.next_position()``: the position after the last cell written (int32 scalar)."""
+  return cache.next_position()
 
 
-@attend.register
-def _(cache: RingCache, q, k, v, positions, *, window, softcap, scale, impl):
-  if window is None or cache.capacity < window - 1:
-    raise ValueError(f"RingCache: a ring of R={cache.capacity} slots serves a sliding-window layer "
-                     f"with W <= R + 1, got window={window}")
-  kw = dict(causal=True, window=window, softcap=softcap, scale=scale, impl=impl)
-  o_ring, lse_ring = attention(q, cache.k, cache.v, q_pos=positions, k_pos=cache.pos, **kw)
-  o_new, lse_new = attention(q, k.astype(cache.k.dtype), v.astype(cache.v.dtype), q_pos=positions,
-                             k_pos=positions, **kw)
-  o, _ = merge(o_ring, lse_ring, o_new, lse_new)
-  return o, cache.write(k, v, positions)
-
-
-def _append_then_attend(cache, data, q, k, v, positions, *, tactic, cpu_fraction=None, **kw):
-  """The rolling caches' one step: append this chunk's cells, then ``rolling_attention`` over
-  ``data(new cache)`` (the cache itself, or a TacticKV's RollingKV) with ``tactic``."""
-  with jax.profiler.TraceAnnotation("rkv.append"):
-    new = cache.append(k, v, positions)
-  o, _ = rolling_attention(q, data(new), q_pos=positions, causal=True, tactic=tactic,
-                           cpu_fraction=cpu_fraction, **kw)
-  return o, new
-
-
-@attend.register
-def _(cache: RollingKV, q, k, v, positions, **kw):
-  return _append_then_attend(cache, lambda c: c, q, k, v, positions, tactic="stream", **kw)
-
-
-@attend.register
-def _(cache: TacticKV, q, k, v, positions, **kw):
-  tactic, share = cache.tactic, cache.cpu_fraction
-  if q.shape[1] > MAX_DECODE_QUERIES:
-    # A prefill chunk's tail attention is compute-bound (T queries per key read), where the CPU
-    # cores are ~100x slower than the GPU; the plan's cpu/hybrid split is for the memory-bound
-    # decode step. The chunk streams its tail instead (the same cells, merged the same way).
-    tactic, share = "stream", None
-  return _append_then_attend(cache, lambda c: c.kv, q, k, v, positions, tactic=tactic,
-                             cpu_fraction=share, **kw)
-
-
-@attend.register
-def _(cache: HeadSplitKV, q, k, v, positions, **kw):
-  # HeadSplitKV.append splits k/v by KV head; rolling_attention splits q's heads the same way.
-  return _append_then_attend(cache, lambda c: c, q, k, v, positions, tactic="head", **kw)
-
-
-@functools.singledispatch
-def streamed_tiles(cache) -> tuple:
-  """The host tiles a step's attention over ``cache`` streams to the device, in order (``stream``
-  tiles of a :class:`rkv.offload.stream.Tile`), for a prefetcher to request ahead of the layer;
-  ``()`` for caches that stream nothing ahead of time (resident, ring, a ``cpu`` tactic; a
-  ``HeadSplitKV``'s rolled heads stream inside their own call)."""
-  return ()
-
-
-def _streamed(kv: RollingKV, tactic: str, cpu_fraction) -> tuple:
-  n = rolling.streamed_count(kv.n_full_tiles, tactic, cpu_fraction)
-  return rolling._tiles(kv, n) if n else ()
-
-
-@streamed_tiles.register
-def _(cache: RollingKV):
-  return _streamed(cache, "stream", None)
-
-
-@streamed_tiles.register
-def _(cache: TacticKV):
-  return _streamed(cache.kv, cache.tactic, cache.cpu_fraction)
-
-
-@functools.singledispatch
-def next_position(cache) -> jax.Array:
-  """The position after the last cell written (int32 scalar): the default start of the next
-  chunk when the caller passes no positions (rows without padding)."""
-  raise TypeError(f"rkv.models.kv.next_position: unsupported cache type {type(cache).__name__}")
-
-
-@next_position.register
-def _(cache: ResidentCache):
-  return cache.length
-
-
-@next_position.register(RollingKV)
-@next_position.register(TacticKV)
-@next_position.register(HeadSplitKV)
-def _(cache):
-  return jnp.int32(cache.fill)
+def streamed_tiles(cache: LayerCache) -> tuple:
+  """``cache.streamed_tiles()``: the host tiles a step streams, in order, for a prefetcher."""
+  return cache.streamed_tiles()
 
 
 def init_caches(config, batch: int, max_len: int, *, dtype=None, ring: bool = True) -> tuple:

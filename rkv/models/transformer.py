@@ -12,8 +12,9 @@ Attention: q/k/v projections (+ bias: Qwen2), [q/k RMSNorm: Gemma-3], RoPE from 
 positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear 8), then
 :func:`rkv.attention` with ``q_pos``/``k_pos`` = positions, the layer's ``window``, the attention
 softcap and the scale ``query_pre_attn_scalar ** -0.5`` (else ``head_dim ** -0.5``). With caches,
-the layer hands its cache to :func:`rkv.models.kv.attend`, which dispatches on the cache type, so
-each layer can hold a different kind (resident, ring, rolling window + host tail).
+the layer calls its cache's ``attend`` (the protocol of :mod:`rkv.models.kv`, never a branch on
+the cache's type), so each layer can hold a different kind (resident, ring, rolling window + host
+tail, head split).
 
 RMSNorm computes in float32; Llama casts back before the weight (``w * x.astype(dtype)``), Gemma
 multiplies by ``1 + w`` in float32 first, as in transformers. Logits are returned in float32.
@@ -31,7 +32,6 @@ from flax import nnx
 
 from rkv.attention import IMPLS, attention
 from rkv import validation
-from rkv.models import kv as kv_lib
 from rkv.offload import stream as stream_lib
 from rkv.models.config import ModelConfig, RopeConfig
 
@@ -173,7 +173,7 @@ class Block(nnx.Module):
     if cache is None:
       o, _ = attention(q, k, v, q_pos=positions, k_pos=positions, causal=True, **kw)
     else:
-      o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
+      o, cache = cache.attend(q, k, v, positions, **kw)
     return self.post_attention(x, o), cache
 
 
@@ -252,7 +252,7 @@ class Transformer(nnx.Module):
         raise ValueError(f"{where}: caches must hold one cache per layer "
                          f"({cfg.num_layers}), got {len(caches)}")
     if positions is None:
-      start = 0 if caches is None else kv_lib.next_position(caches[0])
+      start = 0 if caches is None else caches[0].next_position()
       positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     positions = jnp.asarray(positions)
     if tuple(positions.shape) != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
@@ -372,12 +372,12 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
                     schedule: str | None = None, prefetch_tiles: int | None = None):
   """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
   as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
-  with a *static* fill (a :class:`rkv.RollingKV`, plain or in a ``TacticKV`` /
+  with a *static* fill (``jittable`` False: a :class:`rkv.RollingKV` whatever its tactic, a
   ``HeadSplitKV``), whose attention is an eager schedule of transfers and device partials or
   the host CPU kernel.
 
   Each such layer runs as three steps: a jitted ``pre_attention`` (norm, q/k/v projections,
-  q/k norms, RoPE), the cache's eager :func:`rkv.models.kv.attend`, a jitted
+  q/k norms, RoPE), the cache's eager ``attend``, a jitted
   ``post_attention`` (output projection, residual, MLP). A resident or ring layer runs as one
   jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
   norm + logits are one program each. So a decode step dispatches a handful of programs per
@@ -402,7 +402,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
   if schedule is not None:
-    validation.check_choice("layered_forward", "schedule", schedule, kv_lib.rolling.SCHEDULES)
+    validation.check_choice("layered_forward", "schedule", schedule, stream_lib.SCHEDULES)
   cfg = model.config
   edge_def, edge_tree, edge_leaves = _split_flat((model.embed, model.final_norm, model.lm_head))
   enter, leave = _edge_programs(cfg, edge_def, edge_tree)
@@ -425,7 +425,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   def plan_prefetch(caches):
     if prefetcher is not None and planned[0] is not caches:
       prefetcher.begin([(i, t) for i, c in enumerate(caches)
-                        if (t := kv_lib.streamed_tiles(c))])
+                        if (t := c.streamed_tiles())])
       planned[0] = caches
 
   def fn(tokens, positions=None, caches=None):
@@ -441,17 +441,17 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     new_caches = []
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
-      if isinstance(cache, kv_lib.ResidentCache):  # a RingCache too
+      if cache.jittable:  # resident and ring caches: the whole layer is one program
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
         with jax.profiler.TraceAnnotation("rkv.layer.pre"):
           q, k, v = pre(leaves, x, rope_cs)
         kw = attn_kw[i]
-        tiles = kv_lib.streamed_tiles(cache) if prefetcher is not None else ()
+        tiles = cache.streamed_tiles() if prefetcher is not None else ()
         if tiles:
           kw = dict(kw, staged=prefetcher.take(i, tiles))
         with jax.profiler.TraceAnnotation("rkv.layer.attend"):
-          o, cache = kv_lib.attend(cache, q, k, v, positions, **kw)
+          o, cache = cache.attend(q, k, v, positions, **kw)
         if tiles:
           prefetcher.consumed(o)
         with jax.profiler.TraceAnnotation("rkv.layer.post"):
