@@ -80,7 +80,7 @@ def main(argv):
   from flax import nnx
   from rkv import benchmarking
   from lab import decode_bench as db
-  from rkv.generate import _Stepper
+  from rkv.generate import Stepper
   from rkv.models import Transformer, jit_forward
   mc = db.model_config(db.BenchConfig(preset=_PRESET.value))
   model = Transformer(mc, rngs=nnx.Rngs(0))
@@ -98,7 +98,7 @@ def main(argv):
       caches, fill, info = _caches(kind, mc, ctx, share, jax.random.key(ctx), _PROFILE.value)
       row.update(info)
       jax.block_until_ready(caches)
-      step = _Stepper(model, caches, forward)
+      step = Stepper(model, caches, forward)
       n = _WARMUP.value + _STEPS.value
       times, dispatch, caches = db._decode_rkv(step, caches, fill, _WARMUP.value, _STEPS.value, 1)
       row["step_ms"] = 1e3 * statistics.median(times[_WARMUP.value:])

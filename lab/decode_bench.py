@@ -706,7 +706,7 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   import jax
   import rkv
   from rkv import rolling
-  from rkv.generate import _Stepper
+  from rkv.generate import Stepper
   cap, fill, kvd = cfg.capacity(ctx), cfg.fill(ctx), cfg.kv_dtype_name
   warmup, steps = cfg.steps_for(name)
   what = f"rkv {name} {ctx}"
@@ -744,7 +744,7 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   t1 = time.perf_counter()
   caches = build_caches(cfg, mc, ctx, key, plan, log=log, what=what)
   row["fill_s"] = time.perf_counter() - t1
-  step = _Stepper(model, caches, forward, schedule=cfg.schedule)
+  step = Stepper(model, caches, forward, schedule=cfg.schedule)
   row["jitted"] = step.jitted
   row["schedule"] = None if step.jitted else (cfg.schedule or rolling.DEFAULT_SCHEDULE)
   times, dispatch, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)

@@ -41,7 +41,7 @@ import numpy as np
 from rkv import planner
 from rkv import tactics
 from rkv.cache import RollingKV
-from rkv.head_split import HeadSplitKV, _check_heads
+from rkv.head_split import HeadSplitKV, check_heads
 from rkv.models.kv import ROLLING_TACTICS, LayerCache, ResidentCache, RingCache
 from rkv.models.transformer import jit_forward, layered_forward
 from rkv.planner import LayerPlan, Plan
@@ -121,7 +121,7 @@ def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None
     if lp.tactic == "head":
       if lp.resident_heads is None:
         raise ValueError(f"{where}: layer {i} has tactic 'head' but no resident_heads")
-      r = _check_heads(lp.resident_heads, kh, f"{where}: layer {i}")
+      r = check_heads(lp.resident_heads, kh, f"{where}: layer {i}")
     if r != kh and lp.window_cells >= capacity:
       raise ValueError(f"{where}: capacity={capacity} must exceed layer {i}'s window "
                        f"W={lp.window_cells} for a host tail (plan for a longer context_len or "
@@ -172,7 +172,7 @@ def force_tactic(plan: Plan, tactic: str, window_cells: int, tile_cells: int, *,
   s = plan.shape
   r, share = None, None
   if tactic == "head":
-    r = _check_heads(resident_heads, s.num_kv_heads, where)
+    r = check_heads(resident_heads, s.num_kv_heads, where)
   if tactic == "hybrid":  # the same check as rolling_attention's
     share = tactics.check_cpu_fraction(cpu_fraction, tactic, where)
   lay = planner.layer_layout(planner.cell_sizes(s, plan.batch), cap, window_cells, tile_cells,
@@ -243,11 +243,12 @@ def _check_chunk(where, chunk):
     raise ValueError(f"{where}: chunk must be a positive int, got {chunk!r}")
 
 
-class _Stepper:
+class Stepper:
   """Runs one model step on ``(tokens [B,T], positions [B,T], caches)`` -> ``([B,1,V], caches)``:
-  the jitted form when every cache is resident/ring, else :func:`rkv.models.layered_forward`
-  (layers whose cache is not ``jittable`` — a RollingKV or a HeadSplitKV — attend eagerly between
-  jitted halves). ``schedule``: the rolling caches' streaming schedule (None: the default)."""
+  the jitted form when every cache is ``jittable``, else :func:`rkv.models.layered_forward`
+  (layers whose cache is not — a RollingKV or a HeadSplitKV — attend eagerly between jitted
+  halves). ``schedule``: the rolling caches' streaming schedule (None: the default). Public for
+  the lab's benchmarks, which time the same step generation runs."""
 
   def __init__(self, model, caches, forward=None, schedule=None):
     self.jitted = _all_jittable(caches)
@@ -303,7 +304,7 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
   if room is not None and tokens.shape[1] > room:
     raise ValueError(f"{where}: caches have room for {room} more cells, tokens has "
                      f"{tokens.shape[1]}: build caches with a larger capacity")
-  step = _Stepper(model, caches, forward)
+  step = Stepper(model, caches, forward)
   logits, caches = _prefill(step, tokens, caches, fill, chunk=chunk, progress=progress,
                             progress_every=progress_every)
   return logits[:, -1], caches
@@ -382,7 +383,7 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
     raise ValueError(f"{where}: caches have room for {room} more cells but prompt_tokens ({t}) + "
                      f"max_new_tokens ({max_new_tokens}) need {t + max_new_tokens}: build caches "
                      f"with capacity >= {fill + t + max_new_tokens}")
-  step = _Stepper(model, caches, forward)
+  step = Stepper(model, caches, forward)
   key = jax.random.key(seed)
 
   def pick(logits, i):
@@ -436,7 +437,7 @@ def decode_logits(model, tokens, caches, *, prefill_len: int, chunk: int = DEFAU
   if room is not None and t > room:
     raise ValueError(f"{where}: caches have room for {room} more cells, tokens has {t}: build "
                      f"caches with capacity >= {fill + t}")
-  step = _Stepper(model, caches, forward)
+  step = Stepper(model, caches, forward)
   _, caches = _prefill(step, tokens[:, :prefill_len], caches, fill, chunk=chunk, progress=False,
                        progress_every=PROGRESS_EVERY)
   out = []

@@ -79,7 +79,7 @@ class HeadSplitKV:
     if len(shape) != 4:
       raise ValueError(f"{where}: k must be rank 4 ([B,S,K,D]), got shape {shape}")
     kh = shape[2]
-    r = _check_heads(resident_heads, kh, where)
+    r = check_heads(resident_heads, kh, where)
     cap = shape[1] if capacity is None else capacity
     take = lambda x, lo, hi: None if x is None else x[:, :, lo:hi]
     kw = dict(k_pos=k_pos, capacity=capacity, tile_cells=tile_cells, dtype=dtype)
@@ -104,7 +104,7 @@ class HeadSplitKV:
     where = "HeadSplitKV.empty"
     if not cache_lib._is_int(num_kv_heads) or num_kv_heads < 1:
       raise ValueError(f"{where}: num_kv_heads must be a positive int, got {num_kv_heads!r}")
-    r = _check_heads(resident_heads, num_kv_heads, where)
+    r = check_heads(resident_heads, num_kv_heads, where)
     kw = dict(dtype=jnp.bfloat16 if dtype is None else dtype, tile_cells=tile_cells)
     resident = rolled = None
     if r:
@@ -158,7 +158,8 @@ jax.tree_util.register_dataclass(HeadSplitKV, data_fields=["resident", "rolled"]
                                  meta_fields=["resident_heads", "num_kv_heads"])
 
 
-def _check_heads(resident_heads, num_kv_heads: int, where: str) -> int:
+def check_heads(resident_heads, num_kv_heads: int, where: str) -> int:
+  """``resident_heads`` as an int in ``[0, K]``, else ``ValueError`` naming ``where``."""
   if (not isinstance(resident_heads, (int, np.integer)) or isinstance(resident_heads, bool)
       or not 0 <= resident_heads <= num_kv_heads):
     raise ValueError(f"{where}: resident_heads must be an int in [0, K={num_kv_heads}], got "

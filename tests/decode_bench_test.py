@@ -313,7 +313,7 @@ def test_host_tactic_layers_int8_batch2(tactic):
   import jax
   from flax import nnx
   from rkv import generate as gen
-  from rkv.generate import _Stepper
+  from rkv.generate import Stepper
   from rkv.models import Transformer
   cfg = decode_bench.BenchConfig(configs=("rkv_offload",), kv_dtype="int8", batch=2, **TINY)
   mc = decode_bench.model_config(cfg)
@@ -322,7 +322,7 @@ def test_host_tactic_layers_int8_batch2(tactic):
   caches = decode_bench.build_caches(cfg, mc, 512, jax.random.key(0), plan, log=lambda m: None)
   assert all(c.tactic == tactic and c.quantized and c.n_full_tiles == 2 for c in caches)
   model = Transformer(mc, rngs=nnx.Rngs(0))
-  step = _Stepper(model, caches, None)
+  step = Stepper(model, caches, None)
   times, _, caches = decode_bench._decode_rkv(step, caches, cfg.fill(512), 0, 2, 2)
   assert len(times) == 2 and caches[0].fill == cfg.fill(512) + 2
   b = decode_bench.plan_bound(plan, mc, cfg.fill(512))
