@@ -37,12 +37,12 @@ class ChatTokenizer:
   file names them); ``chat_template``: Jinja source or None.
   """
 
-  tokenizer: Any  # tokenizers.Tokenizer
+  tokenizer: Any = dataclasses.field(repr=False)  # tokenizers.Tokenizer
   bos_id: int | None = None
   eos_id: int | None = None
   add_bos: bool = False
   stop_ids: tuple[int, ...] = ()
-  chat_template: str | None = None
+  chat_template: str | None = dataclasses.field(default=None, repr=False)
 
   @property
   def vocab_size(self) -> int:
