@@ -285,7 +285,8 @@ def _progress(done, total, elapsed, file):
 
 def _prefill(step, tokens, caches, start, *, chunk, progress, progress_every):
   b, t = tokens.shape
-  show = (t >= PROGRESS_MIN_TOKENS) if progress is None else bool(progress)
+  report = progress if callable(progress) else None
+  show = report is None and ((t >= PROGRESS_MIN_TOKENS) if progress is None else bool(progress))
   t0 = time.perf_counter()
   logits = None
   n_chunks = -(-t // chunk)
@@ -295,6 +296,9 @@ def _prefill(step, tokens, caches, start, *, chunk, progress, progress_every):
     if show and ((j + 1) % progress_every == 0 or j + 1 == n_chunks):
       jax.block_until_ready(logits)
       _progress(hi, t, time.perf_counter() - t0, sys.stderr)
+    elif report is not None:
+      jax.block_until_ready(logits)
+      report(hi, t)
   return logits, caches
 
 
@@ -302,8 +306,9 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
             progress_every: int = PROGRESS_EVERY, forward=None):
   """Feeds ``tokens [B,T]`` in chunks of ``chunk``; returns ``(logits [B,V] of the last
   position, caches)``. ``progress``: print ``prefill [###...] n/T tokens ... tok/s`` to stderr
-  every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``). ``forward``: a
-  :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls (all-resident caches
+  every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``); a callable instead
+  is called as ``progress(done_tokens, T)`` after every chunk (e.g. a tqdm bar's update).
+  ``forward``: a :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls (all-resident caches
   only). The caches passed in are donated: use the returned ones."""
   where = "prefill"
   tokens = _check_tokens(where, "tokens", tokens)
