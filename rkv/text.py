@@ -50,10 +50,17 @@ class TextGeneration:
   def new_tokens(self) -> int:
     return len(self.tokens)
 
+  @property
+  def warm_decode_tokens_per_s(self) -> float:
+    """Decode tokens/s after the first step (which compiles); 0 without two decode steps."""
+    return 0.0 if self.generation is None else self.generation.warm_decode_tokens_per_s
+
   def summary(self) -> str:
+    warm = self.warm_decode_tokens_per_s
     return (f"{self.prompt_tokens} prompt tokens, {self.new_tokens} generated ({self.finish}); "
             f"prefill {self.prefill_s:.2f} s ({self.prefill_tokens_per_s:,.0f} tok/s), decode "
-            f"{self.decode_s:.2f} s ({self.decode_tokens_per_s:,.1f} tok/s)")
+            f"{self.decode_s:.2f} s ({self.decode_tokens_per_s:,.1f} tok/s"
+            + (f"; {warm:,.1f} tok/s after the first step's compile)" if warm else ")"))
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[Mapping[str, str]], *,
