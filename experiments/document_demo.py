@@ -1,6 +1,6 @@
 """`make demo`: SmolLM2 answers a question about a real document with most of its KV on the host.
 
-    python -m experiments.document_demo                       # Python's LICENSE history, 20% on device
+    python -m experiments.document_demo      # Python's LICENSE history, 20% of the KV on the device
     python -m experiments.document_demo --device_share=0.1 --mode=hybrid
     python -m experiments.document_demo --document=notes.txt --question="..." --expected=word
 

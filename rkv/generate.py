@@ -308,8 +308,8 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
   position, caches)``. ``progress``: print ``prefill [###...] n/T tokens ... tok/s`` to stderr
   every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``); a callable instead
   is called as ``progress(done_tokens, T)`` after every chunk (e.g. a tqdm bar's update).
-  ``forward``: a :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls (all-resident caches
-  only). The caches passed in are donated: use the returned ones."""
+  ``forward``: a :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls
+  (all-resident caches only). The caches passed in are donated: use the returned ones."""
   where = "prefill"
   tokens = _check_tokens(where, "tokens", tokens)
   caches = _check_caches(where, model, caches)
