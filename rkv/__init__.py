@@ -28,9 +28,10 @@ from rkv.head_split import HeadSplitKV
 from rkv import residency
 from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
+from rkv.text import TextGeneration, generate_text
 from rkv.residency import AttentionShape, Plan, Profile, ResidencyConfig, plan
 
-__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
-           "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "merge", "merge_partials",
+__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV", "TextGeneration",
+           "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "generate_text", "merge", "merge_partials",
            "models", "offload", "plan", "residency", "rolling_attention"]
 __version__ = "0.1.0"
