@@ -1,4 +1,4 @@
-"""The README's main job: a needle query at a long context with most of the KV in the host tail.
+"""`make demo-recall`: a needle query at a long context with most of the KV in the host tail.
 
     python -m experiments.demo                      # 8K tokens, 20% of the KV on the device
     python -m experiments.demo --context=16384 --depth=0.1 --device_share=0.1 --mode=hybrid

@@ -1,4 +1,5 @@
-"""The README's main job: a needle query at a long context with most of the KV in the host tail.
+"""The recall needle job (`make demo-recall`): a needle query at a long context with most of the KV
+in the host tail (`make demo` is :mod:`lab.document_demo`, SmolLM2 on a real document).
 
 :func:`run` loads the shipped recall model (:mod:`rkv.recall`), builds a haystack with one
 needle, plans the KV cache with a forced small device budget (``device_share`` of the KV bytes;

@@ -29,8 +29,9 @@ from rkv import planner, residency
 from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
 from rkv.planner import AttentionShape, Plan, Profile, ResidencyConfig, plan
+from rkv.text import TextGeneration, generate_text
 
-__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV",
-           "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "merge", "merge_partials",
+__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV", "TextGeneration",
+           "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "generate_text", "merge", "merge_partials",
            "models", "offload", "plan", "residency", "rolling_attention"]
 __version__ = "0.1.0"

