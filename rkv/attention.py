@@ -56,9 +56,20 @@ def _softcap(logits: jax.Array, softcap: float | None) -> jax.Array:
   return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
+def saw_a_key(row_sum: jax.Array) -> jax.Array:
+  """True where an online-softmax row saw a key: its sum of weights is not exactly 0.
+
+  ``row_sum != 0``, not ``row_sum > 0``: a NaN that attention read makes the sum NaN, and NaN > 0
+  is False, which used to turn a poisoned row into a silent "saw no key" (o = 0, lse = -inf).
+  NaN != 0 is True, so the NaN reaches o and lse (DESIGN.md §3).
+  """
+  return row_sum != 0
+
+
 def _finish(o_acc, row_sum, row_max, out_dtype):
-  """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``."""
-  seen = row_sum > 0
+  """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``, rows
+  that read a NaN give NaN."""
+  seen = saw_a_key(row_sum)
   o = jnp.where(seen[..., None], o_acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
   return o.astype(out_dtype), lse.astype(jnp.float32)
@@ -189,10 +200,12 @@ def merge_partials(o: jax.Array, lse: jax.Array):
   """Merges N partials stacked on a leading axis: ``o [N,...,D]``, ``lse [N,...]``."""
   lse = lse.astype(jnp.float32)
   top = jnp.max(lse, axis=0)
-  safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)  # [N,...], each <= 1
+  # Only lse = -inf means "this partial saw no key" (weight 0). The guards compare with -inf, not
+  # isfinite: a NaN partial (it read a NaN) must poison the merge, not drop out of it.
+  safe_top = jnp.where(top == -jnp.inf, 0.0, top)
+  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_top))  # [N,...], each <= 1
   total = w.sum(0)
-  seen = total > 0
+  seen = saw_a_key(total)
   o_sum = jnp.einsum("n...,n...d->...d", w, o.astype(jnp.float32), precision=_HIGHEST)
   o_out = jnp.where(seen[..., None], o_sum / jnp.where(seen, total, 1.0)[..., None], 0.0)
   lse_out = jnp.where(seen, safe_top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)

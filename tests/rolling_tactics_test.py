@@ -334,3 +334,34 @@ def test_cpu_tactics_leave_a_core_by_default(small, monkeypatch):
     monkeypatch.setenv(cpu_lib.TAIL_THREADS_ENV, bad)
     with pytest.raises(ValueError, match=cpu_lib.TAIL_THREADS_ENV):
       cpu_lib.tail_threads()
+
+
+# (tactic, extra kwargs, resident_heads): every way a tail is attended, "stream" in both schedules.
+NAN_TACTICS = [("stream", dict(schedule="eager"), None), ("stream", dict(schedule="unrolled"), None),
+               ("cpu", {}, None), ("hybrid", dict(cpu_fraction=0.5), None), ("head", {}, 1)]
+
+
+@pytest.mark.parametrize("config", NAN_TACTICS,
+                         ids=["stream_eager", "stream_unrolled", "cpu", "hybrid", "head_R1"])
+@pytest.mark.parametrize("cell,field", [(5, "k"), (25, "k"), (60, "v"), (70, "k")],
+                         ids=["window_k", "first_tile_k", "last_tile_v", "staging_v"])
+def test_nan_in_a_visible_cell_propagates(config, cell, field):
+  # W=20, tile 16: cells [20,36), [36,52), [52,68) are tail tiles, [68,75) staged. The NaN cell is
+  # visible to every query; holes elsewhere hold NaN and must stay quiet. Before the fix the tile
+  # (or part) holding the NaN silently dropped out of the merge.
+  tactic, extra, r = config
+  case = Case("nan", t=2, positions="holes", **K2)
+  q, k, v, q_pos, k_pos, _, _ = make(case)
+  k_pos[:, cell] = cell
+  k, v = np.array(k), np.array(v)
+  (k if field == "k" else v)[0, cell, 1, 3] = np.nan
+  kv = build(tactic, r, k, v, window_cells=case.window_cells, tile=case.tile, k_pos=k_pos)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", q_pos=q_pos, **extra)
+  o_ref, lse_ref = rkv.attention(q, k, v, k_pos=k_pos, q_pos=q_pos, impl="reference")
+  o, lse, o_ref, lse_ref = (np.asarray(x, np.float32) for x in (o, lse, o_ref, lse_ref))
+  assert np.isnan(o_ref).any()
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(o_ref))
+  np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+  ok = ~np.isnan(o_ref)
+  tol = TOLERANCES["float32"]
+  np.testing.assert_allclose(o[ok], o_ref[ok], atol=tol["o"][0], rtol=tol["o"][1])

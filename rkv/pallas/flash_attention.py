@@ -228,7 +228,8 @@ def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_re
            jnp.int32(0))
   acc, m, l, n = lax.fori_loop(lo, hi, body, carry)
 
-  seen_any = l > 0.0
+  # l != 0, not l > 0: a NaN the row read makes l NaN and must reach o and lse (DESIGN.md §3).
+  seen_any = l != 0.0
   inv_l = 1.0 / jnp.where(seen_any, l, 1.0)
   o = (acc * inv_l[:, None]).astype(o_ref.dtype)  # acc = 0 on empty rows, so o = 0
   lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * _LN2, -jnp.inf)
