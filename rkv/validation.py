@@ -115,6 +115,7 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   for name, pos, want in (("q_pos", q_pos, (b, t)), ("k_pos", k_pos, (b, s))):
     if _shape(pos) != want:
       raise ValueError(f"{where}: {name} must have shape {want}, got {_shape(pos)}")
+    check_positions_int32(where, name, pos)  # first: jnp cannot even hold such a list
     pos_dtype = _dtype(pos)
     if not jnp.issubdtype(pos_dtype, jnp.integer):
       raise ValueError(f"{where}: {name} must be an integer array, got {pos_dtype}")
@@ -137,6 +138,61 @@ def attention_options(where: str, *, window, softcap, scale, head_dim: int) -> f
   if not (float(scale) > 0):
     raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
   return float(scale)
+
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+STALE_HINT = "use the cache returned by the last append"
+
+
+def host_values(x) -> np.ndarray | None:
+  """``x`` as numpy when it is host data (numpy, lists, Python ints), else None.
+
+  jax arrays and tracers give None: reading a device value back is a host sync (one per layer
+  and token stalls the decode loop), and a jax array cannot hold an integer beyond int32 anyway
+  (x64 is off), so range checks only ever need the host values."""
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
+    return None
+  try:
+    return np.asarray(x)
+  except (TypeError, ValueError, OverflowError):
+    return None  # not array-like: the dtype/shape checks that follow name it
+
+
+def check_int_range(where: str, name: str, x, lo: int, hi: int, meaning: str) -> None:
+  """ValueError naming ``name`` if host integers ``x`` leave ``[lo, hi]`` (jax arrays: skipped,
+  see :func:`host_values`). Without it an int64 position beyond int32 wraps to another position
+  on the cast and a token id -1 indexes the last row of the embedding."""
+  values = host_values(x)
+  if values is None or values.size == 0:
+    return
+  if values.dtype == object or not np.issubdtype(values.dtype, np.integer):
+    if values.dtype != object:
+      return  # a float array: the dtype check names it
+    # Python ints beyond int64 make an object array: every element must still be an int in range.
+    if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool)
+               for e in values.ravel()):
+      return
+  vmin, vmax = int(values.min()), int(values.max())
+  if vmin < lo or vmax > hi:
+    raise ValueError(f"{where}: {name} values must be in [{lo}, {hi}] ({meaning}), got range "
+                     f"[{vmin}, {vmax}]")
+
+
+def check_positions_int32(where: str, name: str, pos) -> None:
+  """Positions are int32 (DESIGN.md §3): a host value beyond int32 would wrap."""
+  check_int_range(where, name, pos, INT32_MIN, INT32_MAX, "positions are int32")
+
+
+def check_token_ids(where: str, name: str, tokens, vocab_size: int) -> None:
+  """Token ids index the embedding: each must be in ``[0, vocab_size)``."""
+  check_int_range(where, name, tokens, 0, vocab_size - 1, f"the vocabulary has {vocab_size} ids")
+
+
+def check_not_deleted(where: str, name: str, x) -> None:
+  """ValueError if the jax array ``x`` was deleted or donated (``append`` donates the window and
+  staging it writes), instead of jax's "Array has been deleted" from deep inside a call."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+    raise ValueError(f"{where}: {name} was deleted or donated ({STALE_HINT})")
 
 
 def check_choice(where: str, name: str, value, choices) -> None:

@@ -209,6 +209,10 @@ BAD_INPUTS = [
     ("window", dict(window=0)),
     ("softcap", dict(softcap=-1.0)),
     ("impl", dict(impl="cuda")),
+    # Host positions beyond int32 used to wrap to other positions on the cast.
+    ("q_pos values must be in", dict(q_pos=np.array([[0, 2**31]], np.int64))),
+    ("k_pos values must be in", dict(k_pos=np.arange(8, dtype=np.int64)[None] + 2**31 - 4)),
+    ("q_pos values must be in", dict(q_pos=[[0, -2**40]])),
     ("dtype", dict(k=jnp.zeros((1, 8, 2, 16), jnp.int32), v=jnp.zeros((1, 8, 2, 16), jnp.int32))),
 ]
 

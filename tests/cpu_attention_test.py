@@ -370,3 +370,12 @@ def test_probes_run():
   for dtype in ("bfloat16", "int8"):
     assert ca.measure_cpu_attention(2048, num_kv_heads=2, head_dim=64, dtype=dtype, repeats=1,
                                     tile_cells=512) > 0
+
+
+@pytest.mark.parametrize("name", ["q_pos", "k_pos"])
+def test_positions_beyond_int32_are_refused(name):
+  # They used to wrap on the kernel's int32 cast: 2**32 + 3 read as position 3.
+  q, k, v, _, _ = _data(1, 1, 4, 2, 16, 9)
+  pos = dict(q_pos=np.array([[8 + 2**32]]), k_pos=np.arange(9)[None] + 2**32)
+  with pytest.raises(ValueError, match=f"{name} values must be in"):
+    ca.cpu_attention(q, k, v, **{name: pos[name]})

@@ -318,6 +318,7 @@ def _check_int(value, name: str, where: str, *, allow_none: bool = True) -> None
 
 def _positions_to_host(x):
   """Positions live on the device in the cache (4 bytes a cell): one copy to numpy, int32."""
+  validation.check_positions_int32("cpu_attention", "k_pos", x)  # host values would wrap
   a = np.asarray(x)
   if not np.issubdtype(a.dtype, np.integer):
     raise ValueError(f"k_pos must be an integer array, got {a.dtype}")
@@ -391,6 +392,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     k_pos = np.broadcast_to(np.arange(s_total, dtype=np.int32), (b, s_total))
   if q_pos is None:
     q_pos = np.broadcast_to(np.arange(t, dtype=np.int32) + (s_total - t), (b, t))
+  validation.check_positions_int32(where, "q_pos", q_pos)  # before the int32 cast would wrap it
   q_pos = np.asarray(q_pos)
   if not np.issubdtype(q_pos.dtype, np.integer):
     raise ValueError(f"{where}: q_pos must be an integer array, got {q_pos.dtype}")
