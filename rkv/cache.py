@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import validation
 from rkv.offload import memory
 
 DEFAULT_TILE_CELLS = 32768  # DESIGN.md §5: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
@@ -307,6 +308,14 @@ def _check_positions(pos, want: tuple[int, int], where: str, name: str, *,
                        f" got range [{lo}, {hi}]")
 
 
+def check_live_parts(kv: RollingKV, where: str, name: str = "kv") -> None:
+  """A stale cache (one an ``append`` already consumed) gives a ValueError saying to use the
+  cache returned by the last append. Only the window and staging are checked: they are what
+  ``append`` donates, and they are a few arrays whatever the tail holds (this runs per layer and
+  token)."""
+  validation.check_live(where, name, (kv.window, kv.staging))
+
+
 def _check_kv(k, v, k_scale, v_scale, where: str):
   for name, x in (("k", k), ("v", v)):
     if len(np.shape(x)) != 4:
@@ -543,6 +552,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"append: kv must be a RollingKV, got {type(kv).__name__}")
+  check_live_parts(kv, "append")
   new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append")
   t = new.k.shape[1]
   w, tile = kv.window_cells, kv.tile_cells
@@ -604,6 +614,7 @@ def save(kv: RollingKV, directory: str) -> None:
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
+  validation.check_live("save", "kv", kv)  # before anything is written
   os.makedirs(directory, exist_ok=True)
   files = {}
   for name in _ARRAY_NAMES:

@@ -231,6 +231,9 @@ def _check_caches(where, model, caches):
   if len(caches) != model.config.num_layers:
     raise ValueError(f"{where}: caches must hold one cache per layer ({model.config.num_layers}),"
                      f" got {len(caches)}")
+  # Caches are donated by every step: ones an earlier call consumed are refused up front.
+  for i, c in enumerate(caches):
+    validation.check_live(where, f"caches[{i}]", c)
   return caches
 
 

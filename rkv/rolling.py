@@ -158,6 +158,7 @@ def _resolve(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, sche
   """Validates one call; returns (q_pos, static kwargs of the schedules)."""
   if not isinstance(kv, cache_lib.RollingKV):
     raise ValueError(f"{where}: kv must be a rkv.RollingKV, got {type(kv).__name__}")
+  cache_lib.check_live_parts(kv, where)
   validation.check_choice(where, "tactic", tactic, TACTICS)
   if tactic == "head":
     raise ValueError(f"{where}: tactic='head' needs kv to be a rkv.head_split.HeadSplitKV "

@@ -195,6 +195,14 @@ def check_not_deleted(where: str, name: str, x) -> None:
     raise ValueError(f"{where}: {name} was deleted or donated ({STALE_HINT})")
 
 
+def check_live(where: str, name: str, tree) -> None:
+  """:func:`check_not_deleted` for every array of a cache (or any pytree). The decode-path
+  callers pass only the parts ``append`` donates (window, staging): a few arrays, whatever the
+  tail holds; save and generate pass whole caches."""
+  for x in jax.tree.leaves(tree):
+    check_not_deleted(where, name, x)
+
+
 def check_choice(where: str, name: str, value, choices) -> None:
   if value not in choices:
     raise ValueError(f"{where}: {name} must be one of {tuple(choices)}, got {value!r}")

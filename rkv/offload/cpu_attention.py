@@ -174,9 +174,7 @@ def host_buffer(x, *, name: str = "x", where: str = "host_buffer") -> HostBuffer
   array, a sharded one, or a non-row-major layout.
   """
   if isinstance(x, jax.Array):
-    if x.is_deleted():
-      raise ValueError(f"{where}: {name} was deleted or donated (use the cache returned by the "
-                       f"last append)")
+    validation.check_not_deleted(where, name, x)
     devices = x.sharding.device_set
     if len(devices) != 1:
       raise ValueError(f"{where}: {name} must be a single-device array, got {len(devices)} devices")
