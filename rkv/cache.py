@@ -49,10 +49,14 @@ used afterwards (the usual in-place KV cache contract; the returned cache is the
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import functools
 import json
 import os
+import shutil
+import tempfile
 import zlib
 
 import jax
@@ -605,39 +609,153 @@ def _cell_chunks(kv: RollingKV, name: str):
 
 
 def save(kv: RollingKV, directory: str) -> None:
-  """Writes the cache's cells (window and tail alike, in cell order) to ``directory``.
+  """Writes the cache's cells (window and tail alike, in cell order) to ``directory``, atomically.
 
   Files: ``k.bin, v.bin, pos.bin`` (+ ``k_scale.bin, v_scale.bin`` for int8), raw C-order
   ``[B,fill,...]``, and ``manifest.json`` (format name and version, dtype, W, capacity, tile,
-  fill, shapes, and the byte size and CRC-32 of each file). The manifest is written last and
-  atomically, so an interrupted save is not loadable.
+  fill, shapes, and the byte size and CRC-32 of each file).
+
+  Atomic: the save is written into a fresh temporary directory beside ``directory`` (a unique
+  name per save), fsynced, and only then put in place by one rename (an atomic exchange with the
+  previous save where Linux offers it). So ``directory`` always holds a complete save: the
+  previous one until the new one is complete, whatever fails or kills the writer meanwhile;
+  concurrent saves into one directory each install a whole save, the last one wins. A failed save
+  raises ``ValueError`` saying why and leaves the previous save as it was (a killed writer leaves
+  its ``.<name>.saving-*`` directory beside it). Because the whole directory is replaced, a
+  directory holding anything besides an rkv save is refused rather than emptied.
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
   validation.check_live("save", "kv", kv)  # before anything is written
-  os.makedirs(directory, exist_ok=True)
+  target = os.path.realpath(directory)
+  _check_replaceable(target, directory)
+  parent, base = os.path.split(target)
+  tmp = None
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
+    _write_save(kv, tmp)
+    _install(tmp, target)
+  except OSError as e:
+    raise ValueError(f"save: could not save the cache to {directory!r} ({e}); the previous save "
+                     f"there, if any, is unchanged") from e
+  finally:
+    if tmp is not None:  # the unfinished save, or the previous one after an exchange
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_file_names() -> set[str]:
+  # manifest.json.tmp: the temporary manifest of saves before atomic saving.
+  return {"manifest.json", "manifest.json.tmp"} | {f"{n}.bin" for n in _ARRAY_NAMES}
+
+
+def _check_replaceable(target: str, directory: str) -> None:
+  """``target`` is absent, or a directory holding nothing but an rkv save (it is replaced whole)."""
+  if not os.path.lexists(target):
+    return
+  if not os.path.isdir(target):
+    raise ValueError(f"save: directory {directory!r} exists and is not a directory")
+  foreign = sorted(set(os.listdir(target)) - _save_file_names())
+  if foreign:
+    raise ValueError(f"save: directory {directory!r} holds {foreign[:5]} besides an rkv save; a "
+                     f"save replaces the whole directory, so it refuses to delete them: save into "
+                     f"a new or empty directory")
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_save(kv: RollingKV, out: str) -> None:
+  """Every array file, then the manifest, into the fresh directory ``out``; all fsynced."""
   files = {}
   for name in _ARRAY_NAMES:
     block = getattr(kv.window, name)
     if block is None:
       continue
-    path = os.path.join(directory, f"{name}.bin")
     crc, nbytes = 0, 0
-    with open(path, "wb") as f:
+    with open(os.path.join(out, f"{name}.bin"), "xb") as f:
       for _, chunk in _cell_chunks(kv, name):
         data = np.ascontiguousarray(chunk).tobytes()
         crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
         f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
     files[name] = dict(file=f"{name}.bin", dtype=np.dtype(block.dtype).name,
                        shape=[kv.batch, kv.fill] + list(block.shape[2:]), bytes=nbytes, crc32=crc)
   manifest = dict(format=FORMAT, version=FORMAT_VERSION, dtype=np.dtype(kv.dtype).name,
                   window_cells=kv.window_cells, capacity=kv.capacity, tile_cells=kv.tile_cells,
                   fill=kv.fill, batch=kv.batch, num_kv_heads=kv.num_kv_heads,
                   head_dim=kv.head_dim, positions="pos.bin", arrays=files)
-  tmp = os.path.join(directory, "manifest.json.tmp")
-  with open(tmp, "w") as f:
+  with open(os.path.join(out, "manifest.json"), "x") as f:
     json.dump(manifest, f, indent=1)
-  os.replace(tmp, os.path.join(directory, "manifest.json"))
+    f.flush()
+    os.fsync(f.fileno())
+  os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700; a save is as readable as any new dir
+  _fsync_dir(out)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps the directories ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+  False where that is not available (another OS, an old libc, a filesystem that refuses it)."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                        ctypes.c_uint]
+  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), b)
+
+
+def _install(tmp: str, target: str) -> None:
+  """Puts the finished save ``tmp`` at ``target`` in one atomic step; afterwards ``tmp`` is gone
+  or holds the previous save (the caller removes it)."""
+  for _ in range(8):  # concurrent savers may move target between the steps: try again
+    try:
+      os.rename(tmp, target)  # target absent, or an empty directory (POSIX replaces it)
+      break
+    except OSError as e:
+      if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+        raise
+    try:
+      if _exchange(tmp, target):
+        break
+    except FileNotFoundError:
+      continue  # another saver moved target away: the plain rename may work now
+    # No atomic exchange here: move the previous save aside first. A crash between the two
+    # renames leaves it in the aside directory, not at target.
+    aside = tmp + ".previous"
+    try:
+      os.rename(target, aside)
+    except FileNotFoundError:
+      continue
+    os.rename(tmp, target)
+    os.rename(aside, tmp)  # the caller removes it
+    break
+  else:
+    raise OSError(errno.EBUSY, "other saves kept replacing it", target)
+  _fsync_dir(os.path.dirname(target))
 
 
 def _file_crc(path: str, chunk: int = 1 << 26) -> int:

@@ -100,3 +100,158 @@ def test_stale_caches_in_generate(llama):
     with pytest.raises(ValueError, match=f"caches\\[0\\] was deleted or donated \\({STALE}"):
       fn(caches)
   gen.generate(llama, prompt[:, :2], max_new_tokens=1, caches=out.caches)  # the returned ones work
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving is atomic: the previous save stays loadable until a new one is complete
+# ----------------------------------------------------------------------------------------------
+def _two_caches():
+  """Two caches of the same layout with different cells (which save is on disk is then clear)."""
+  return _cache(s=37), rkv.RollingKV.from_arrays(*_cells(37, seed=9), window_cells=10,
+                                                 tile_cells=8, capacity=64)
+
+
+def _assert_holds(directory, kv):
+  loaded = rkv.cache.load(str(directory))
+  for name, x in kv.cells().items():
+    if x is not None:
+      np.testing.assert_array_equal(loaded.cells()[name], x)
+
+
+def _leftovers(directory):
+  return [x for x in os.listdir(directory.parent) if x.startswith(f".{directory.name}.")]
+
+
+def _fail_fsync(monkeypatch):
+  def full(fd):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(rkv.cache.os, "fsync", full)
+
+
+def _fail_mkdtemp(monkeypatch):
+  def denied(*a, **kw):
+    raise PermissionError(13, "Permission denied")
+  monkeypatch.setattr(rkv.cache.tempfile, "mkdtemp", denied)
+
+
+def _fail_second_array(monkeypatch):
+  real = rkv.cache._cell_chunks
+  def chunks(kv, name):
+    if name == "v":
+      raise OSError(5, "Input/output error")
+    yield from real(kv, name)
+  monkeypatch.setattr(rkv.cache, "_cell_chunks", chunks)
+
+
+@pytest.mark.parametrize("fault,why", [(_fail_fsync, "No space left"),
+                                       (_fail_mkdtemp, "Permission denied"),
+                                       (_fail_second_array, "Input/output error")],
+                         ids=["disk_full", "unwritable", "write_fails_midway"])
+def test_failed_save_keeps_the_previous_one(tmp_path, monkeypatch, fault, why):
+  # Before: save rewrote k.bin, v.bin, ... in place, so a failure midway left neither save.
+  old, new = _two_caches()
+  directory = tmp_path / "cache"
+  rkv.cache.save(old, str(directory))
+  fault(monkeypatch)
+  with pytest.raises(ValueError, match=f"could not save.*{why}.*previous save there.*unchanged"):
+    rkv.cache.save(new, str(directory))
+  monkeypatch.undo()
+  _assert_holds(directory, old)
+  assert _leftovers(directory) == []
+  rkv.cache.save(new, str(directory))  # and the next save replaces it
+  _assert_holds(directory, new)
+
+
+def test_exception_midway_keeps_the_previous_one(tmp_path, monkeypatch):
+  old, new = _two_caches()
+  directory = tmp_path / "cache"
+  rkv.cache.save(old, str(directory))
+  monkeypatch.setattr(rkv.cache, "_install", lambda tmp, target: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    rkv.cache.save(new, str(directory))
+  monkeypatch.undo()
+  _assert_holds(directory, old)
+  assert _leftovers(directory) == []
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+import rkv
+from rkv import cache
+rng = np.random.default_rng(9)
+k, v = (rng.standard_normal((1, 37, 2, 16)).astype(np.float32) for _ in range(2))
+kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=8, capacity=64)
+real = cache._cell_chunks
+def chunks(kv, name):
+  if name == "v":  # k.bin is written: the writer dies in the middle of the save
+    os.kill(os.getpid(), signal.SIGKILL)
+  yield from real(kv, name)
+cache._cell_chunks = chunks
+cache.save(kv, sys.argv[1])
+"""
+
+
+def test_killed_writer_keeps_the_previous_one(tmp_path):
+  import subprocess
+  import sys
+  old, _ = _two_caches()
+  directory = tmp_path / "cache"
+  rkv.cache.save(old, str(directory))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], cwd=root,
+                        capture_output=True, timeout=300)
+  assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+  _assert_holds(directory, old)
+
+
+def test_concurrent_saves_each_install_a_whole_save(tmp_path, monkeypatch):
+  # Both savers finish writing before either installs (a barrier), then install at once: the
+  # directory holds one of the two saves whole, never a mix (before: one shared temp manifest
+  # name and in-place data files).
+  import threading
+  a, b = _two_caches()
+  directory = tmp_path / "cache"
+  rkv.cache.save(a, str(directory))
+  barrier = threading.Barrier(2, timeout=60)
+  real = rkv.cache._install
+  temps = []
+  def install(tmp, target):
+    temps.append(tmp)
+    barrier.wait()
+    real(tmp, target)
+  monkeypatch.setattr(rkv.cache, "_install", install)
+  errors = []
+  def run(kv):
+    try:
+      rkv.cache.save(kv, str(directory))
+    except Exception as e:  # pragma: no cover - reported below
+      errors.append(e)
+  threads = [threading.Thread(target=run, args=(kv,)) for kv in (a, b)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == [] and len(set(temps)) == 2, (errors, temps)
+  loaded = rkv.cache.load(str(directory)).cells()["k"]
+  assert any(np.array_equal(loaded, kv.cells()["k"]) for kv in (a, b))
+  _assert_holds(directory, a if np.array_equal(loaded, a.cells()["k"]) else b)
+  assert _leftovers(directory) == []
+
+
+def test_save_refuses_to_replace_a_directory_holding_other_files(tmp_path):
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"holds \['notes.txt'\] besides an rkv save"):
+    rkv.cache.save(_cache(), str(tmp_path))
+  assert os.listdir(tmp_path) == ["notes.txt"]
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="not a directory"):
+    rkv.cache.save(_cache(), str(tmp_path / "file"))
+
+
+def test_save_into_an_empty_directory_and_over_a_save(tmp_path):
+  rkv.cache.save(_cache(), str(tmp_path))  # pytest's tmp_path exists, empty
+  kv = _two_caches()[1]
+  rkv.cache.save(kv, str(tmp_path))
+  _assert_holds(tmp_path, kv)
+  assert sorted(os.listdir(tmp_path)) == ["k.bin", "manifest.json", "pos.bin", "v.bin"]
