@@ -348,9 +348,31 @@ def quantize_int8(x):
   """
   x = jnp.asarray(x, jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+  # amax == 0 (an all-zero row) gets scale 1; a NaN or inf amax keeps a NaN / inf scale, so a
+  # non-finite row that reached here (device values, not checked: see check_quantizable) gives
+  # NaN where attention reads it instead of a finite, wrong row (``amax > 0`` made NaN's scale 1).
+  scale = jnp.where(amax == 0, 1.0, amax / 127.0).astype(jnp.float32)
   q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
   return q, scale
+
+
+def check_quantizable(where: str, name: str, x, pos=None) -> None:
+  """int8 holds finite values only: a NaN or inf in ``x [B,S,K,D]`` is refused with the cell named
+  (batch row, cell index and its position in ``pos [B,S]`` if given, KV head).
+
+  ``x`` must be host data or a value the caller reads back anyway; ``append`` passes device
+  values on without a check (a read-back per layer and token would sync the decode loop), and
+  :func:`quantize_int8` then keeps the row non-finite rather than wrong."""
+  x = np.asarray(x)
+  finite = np.isfinite(x)
+  if finite.all():
+    return
+  b, j, h, _ = (int(i) for i in np.argwhere(~finite)[0])
+  at = "" if pos is None else f", position {int(np.asarray(pos)[b, j])}"
+  raise ValueError(f"{where}: {name} holds {x[b, j, h][~finite[b, j, h]][0]} at batch row {b}, "
+                   f"cell {j}{at}, kv head {h}: an int8 cache cannot represent a non-finite value "
+                   f"(its per-(token, head) scale would be NaN or inf); "
+                   f"{int((~finite).any(-1).sum())} cell-head(s) affected")
 
 
 def _tail_layout(window_cells, capacity, tile_cells):
@@ -392,6 +414,9 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
   _check_positions(k_pos, (b, s), where, "k_pos")
 
   if dt == np.dtype(np.int8) and src_dt != dt:
+    # Construction reads every cell to the host anyway: refuse non-finite ones by name.
+    check_quantizable(where, "k", k, k_pos)
+    check_quantizable(where, "v", v, k_pos)
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
   elif dt != np.dtype(np.int8) and src_dt == np.dtype(np.int8):
     raise ValueError(f"{where}: int8 k/v cannot fill a {dt.name} cache; pass dtype=int8")
@@ -534,6 +559,9 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
   _check_positions(pos, (b, t), where, "pos", read_device=False)
   src_int8 = np.dtype(k.dtype) == np.dtype(np.int8)
   if kv.quantized and not src_int8:
+    for name, x in (("k", k), ("v", v)):
+      if validation.host_values(x) is not None:  # host cells only: no device read-back per step
+        check_quantizable(where, name, x, pos)
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
   elif not kv.quantized and src_int8:
     raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")

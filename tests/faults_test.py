@@ -255,3 +255,38 @@ def test_save_into_an_empty_directory_and_over_a_save(tmp_path):
   rkv.cache.save(kv, str(tmp_path))
   _assert_holds(tmp_path, kv)
   assert sorted(os.listdir(tmp_path)) == ["k.bin", "manifest.json", "pos.bin", "v.bin"]
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 quantization of non-finite K/V is refused with the cell named
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("field", ["k", "v"])
+def test_int8_cache_refuses_non_finite_cells(bad, field):
+  # Before: NaN got scale 1.0 (a silently wrong row), inf a scale of inf.
+  k, v = _cells(40, b=2)
+  pos = np.broadcast_to(np.arange(100, 140, dtype=np.int32), (2, 40)).copy()
+  (k if field == "k" else v)[1, 27, 1, 5] = bad
+  want = (f"{field} holds {bad} at batch row 1, cell 27, position 127, kv head 1: an int8 cache "
+          f"cannot represent")
+  with pytest.raises(ValueError, match=want.replace("(", r"\(")):
+    rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=8, k_pos=pos, dtype=jnp.int8)
+  with pytest.raises(ValueError, match="batch row 1, cell 27"):
+    HeadSplitKV.from_arrays(k, v, resident_heads=1, window_cells=10, tile_cells=8,
+                            k_pos=pos, dtype=jnp.int8)
+  kv = rkv.RollingKV.empty(2, 64, 2, 16, window_cells=10, tile_cells=8, dtype=jnp.int8)
+  with pytest.raises(ValueError, match=f"append: {field} holds .* cell 27, position 27, kv head 1"):
+    kv.append(k, v)
+  kv.append(np.nan_to_num(k, posinf=0, neginf=0), np.nan_to_num(v, posinf=0, neginf=0))
+
+
+def test_int8_append_of_device_values_keeps_non_finite_rows_loud():
+  # Device values are not read back per step; the quantized row must then read as NaN, never
+  # as a finite wrong row.
+  k, v = _cells(3)
+  k[0, 1, 0, 2] = np.nan
+  kv = rkv.RollingKV.empty(1, 16, 2, 16, window_cells=8, tile_cells=8, dtype=jnp.int8)
+  kv = kv.append(jnp.asarray(k), jnp.asarray(v))
+  assert np.isnan(np.asarray(kv.window.k_scale)[0, 1, 0])
+  o, _ = rkv.rolling_attention(jnp.ones((1, 1, 4, 16), jnp.float32), kv, impl="xla")
+  assert np.isnan(np.asarray(o)[0, 0, :2]).all() and np.isfinite(np.asarray(o)[0, 0, 2:]).all()

@@ -67,6 +67,7 @@ def quantize_int8(x):
   """Symmetric int8 per (token, head): x [B,S,K,D] -> (int8 [B,S,K,D], scale [B,S,K] float32)."""
   x = np.asarray(x, np.float32)
   amax = np.abs(x).max(-1)
-  scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+  with np.errstate(invalid="ignore"):  # a non-finite row keeps a non-finite scale (rkv refuses it)
+    scale = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float32)
   q = np.clip(np.round(x / scale[..., None]), -127, 127).astype(np.int8)
   return q, scale
