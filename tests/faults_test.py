@@ -290,3 +290,86 @@ def test_int8_append_of_device_values_keeps_non_finite_rows_loud():
   assert np.isnan(np.asarray(kv.window.k_scale)[0, 1, 0])
   o, _ = rkv.rolling_attention(jnp.ones((1, 1, 4, 16), jnp.float32), kv, impl="xla")
   assert np.isnan(np.asarray(o)[0, 0, :2]).all() and np.isfinite(np.asarray(o)[0, 0, 2:]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Malformed checkpoints: a ValueError naming the file and what is wrong
+# ----------------------------------------------------------------------------------------------
+def _write_header(path, header, data=b""):
+  blob = header if isinstance(header, bytes) else __import__("json").dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(blob).to_bytes(8, "little") + blob + data)
+
+
+GOOD = dict(dtype="F32", shape=[2, 2], data_offsets=[0, 16])
+BAD_HEADERS = [
+    ("list_header", [1, 2], "header must be a JSON object"),
+    ("entry_not_object", {"w": [1]}, "tensor 'w': header entry must be an object"),
+    ("missing_shape", {"w": dict(dtype="F32", data_offsets=[0, 16])}, r"missing \['shape'\]"),
+    ("missing_offsets", {"w": dict(dtype="F32", shape=[2, 2])}, r"missing \['data_offsets'\]"),
+    ("missing_dtype", {"w": dict(shape=[2, 2], data_offsets=[0, 16])}, r"missing \['dtype'\]"),
+    ("shape_not_ints", {"w": dict(GOOD, shape=["2", 2])}, "shape must be a list of non-negative"),
+    ("negative_dim", {"w": dict(GOOD, shape=[-2, -2])}, "shape must be a list of non-negative"),
+    ("offsets_three", {"w": dict(GOOD, data_offsets=[0, 8, 16])}, "data_offsets must be"),
+    ("dtype_not_string", {"w": dict(GOOD, dtype=["F32"])}, "unsupported dtype"),
+    ("size_disagrees_with_dtype", {"w": dict(GOOD, dtype="F16")}, r"do not hold \(2, 2\) F16"),
+    ("overlap", {"a": GOOD, "b": dict(GOOD, data_offsets=[8, 24])}, "'a' and 'b' overlap"),
+    ("non_utf8", b'{"w": "\xff\xfe"}', "header is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("header,match", [b[1:] for b in BAD_HEADERS],
+                         ids=[b[0] for b in BAD_HEADERS])
+def test_malformed_safetensors_header(tmp_path, header, match):
+  # Before: AttributeError/KeyError/TypeError from inside the reader, or overlapping tensors read.
+  path = str(tmp_path / "model.safetensors")
+  _write_header(path, header, bytes(32))
+  with pytest.raises(ValueError, match=f"read_safetensors\\({path}\\): .*{match}"):
+    models.read_safetensors(path)
+
+
+def _copy(arch, tmp_path):
+  import shutil
+  dst = tmp_path / arch
+  shutil.copytree(os.path.join(FIXTURES, arch), dst)
+  return dst
+
+
+@pytest.mark.parametrize("index,match", [
+    (b"[]", "must be a JSON object with a weight_map"),
+    (b'{"metadata": {}}', "needs a weight_map object"),
+    (b'{"weight_map": ["a"]}', "needs a weight_map object"),
+    (b'{"weight_map": {"w": 3}}', "maps tensor 'w' to 3"),
+    (b'{"weight_map": {"w": "../model.safetensors"}}', "maps tensor 'w' to '../model"),
+    (b'{"weight_map": {', "is not valid JSON"),
+    (b'{"weight_map": "\xc3\x28"}', "is not UTF-8 text"),
+], ids=["list", "no_map", "map_list", "file_not_str", "outside_folder", "truncated", "non_utf8"])
+def test_malformed_shard_index(tmp_path, index, match):
+  path = _copy("qwen2", tmp_path)
+  (path / "model.safetensors.index.json").write_bytes(index)
+  with pytest.raises(ValueError, match=f"load_hf\\({path}\\): model.safetensors.index.json.*{match}"):
+    models.load_hf(str(path))
+
+
+@pytest.mark.parametrize("config,match", [
+    (b'{"architectures": ["LlamaForCausalLM"], "name": "caf\xe9"}', "config.json is not UTF-8 text"),
+    (b"[1, 2]", "config.json must be a JSON object"),
+    (b"{", "config.json is not valid JSON"),
+], ids=["non_utf8", "not_object", "truncated"])
+def test_malformed_config(tmp_path, config, match):
+  path = _copy("llama", tmp_path)
+  (path / "config.json").write_bytes(config)
+  with pytest.raises(ValueError, match=f"load_hf\\({path}\\): {match}"):
+    models.load_hf(str(path))
+
+
+def test_config_with_fewer_layers_than_the_checkpoint_is_refused(tmp_path):
+  import json
+  path = _copy("llama", tmp_path)
+  d = json.loads((path / "config.json").read_text())
+  n = d["num_hidden_layers"]
+  d["num_hidden_layers"] = n - 1
+  (path / "config.json").write_text(json.dumps(d))
+  with pytest.raises(ValueError, match=f"num_hidden_layers={n - 1} but the checkpoint holds "
+                                       f"layers up to {n - 1}"):
+    models.load_hf(str(path))
