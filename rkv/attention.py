@@ -66,6 +66,12 @@ def saw_a_key(row_sum: jax.Array) -> jax.Array:
   return row_sum != 0
 
 
+def _no_keys(q):
+  """The answer for S = 0 (every row sees no key): ``o = 0``, ``lse = -inf``, as every backend
+  gives it (the reductions over an empty axis would fail here)."""
+  return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+
+
 def _finish(o_acc, row_sum, row_max, out_dtype):
   """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``, rows
   that read a NaN give NaN."""
@@ -83,7 +89,9 @@ def attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scal
   """Float32 attention that materializes every logit: the yardstick for the fast paths."""
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="attention_reference")
+                                   causal=causal, where="attention_reference")
+  if args.kv_len == 0:
+    return _no_keys(q)
   return _reference(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal,
                     window=window, softcap=softcap, scale=args.scale)
 
@@ -118,9 +126,11 @@ def attention_xla(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None
   """Portable flash attention: never materializes ``[T,S]``, runs on any backend."""
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="attention_xla")
+                                   causal=causal, where="attention_xla")
   if not isinstance(block_k, int) or block_k < 1:
     raise ValueError(f"attention_xla: block_k must be a positive int, got {block_k!r}")
+  if args.kv_len == 0:
+    return _no_keys(q)
   return _xla(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal, window=window,
               softcap=softcap, scale=args.scale, block_k=min(block_k, args.kv_len))
 
@@ -232,7 +242,8 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, soft
   int8 K/V take ``k_scale``/``v_scale`` ``[B,S,K]``. ``block_sizes`` goes to the Pallas kernel.
   """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
-                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale)
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   causal=causal)
   impl = resolve_impl(impl, args.q_len)
   # The caller's positions go through unchanged: with k_pos=None the kernels know the keys are
   # arange(S) and take their cheaper default-positions path.

@@ -10,6 +10,7 @@ Glossary: B batch, T query length, S key/value length, H query heads, K kv heads
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,8 @@ def _as_int32(x):
 
 
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                   window=None, softcap=None, scale=None, where: str = "attention") -> AttentionArgs:
+                   window=None, softcap=None, scale=None, causal=True,
+                   where: str = "attention") -> AttentionArgs:
   """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
 
   ``k_scale``/``v_scale`` (``[B,S,K]`` float) must be given exactly when K/V are int8.
@@ -121,22 +123,40 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
       raise ValueError(f"{where}: {name} must be an integer array, got {pos_dtype}")
   q_pos, k_pos = _as_int32(q_pos), _as_int32(k_pos)
 
-  scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d)
+  scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d,
+                            causal=causal)
   return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=scale, batch=b, q_len=t, kv_len=s,
                        num_heads=h, num_kv_heads=kh, head_dim=d)
 
 
-def attention_options(where: str, *, window, softcap, scale, head_dim: int) -> float:
-  """Checks ``window``/``softcap``/``scale``; returns the scale (``D**-0.5`` by default)."""
+def _positive_finite(x) -> bool:
+  # inf passed ``x > 0``: scale=inf makes every logit inf or NaN, softcap=inf gives inf * 0 = NaN.
+  try:
+    return math.isfinite(float(x)) and float(x) > 0 and not isinstance(x, bool)
+  except (TypeError, ValueError):
+    return False
+
+
+def check_causal(where: str, causal) -> None:
+  # causal="no" is truthy: it used to run causal attention silently.
+  if not isinstance(causal, (bool, np.bool_)):
+    raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
+
+
+def attention_options(where: str, *, window, softcap, scale, head_dim: int,
+                      causal=True) -> float:
+  """Checks ``causal``/``window``/``softcap``/``scale``; returns the scale (``D**-0.5`` by
+  default)."""
+  check_causal(where, causal)
   if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
                              or window < 1):
     raise ValueError(f"{where}: window must be None or a positive int, got {window!r}")
-  if softcap is not None and not (float(softcap) > 0):
-    raise ValueError(f"{where}: softcap must be None or > 0, got {softcap!r}")
+  if softcap is not None and not _positive_finite(softcap):
+    raise ValueError(f"{where}: softcap must be None or a finite number > 0, got {softcap!r}")
   if scale is None:
     return float(head_dim) ** -0.5
-  if not (float(scale) > 0):
-    raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
+  if not _positive_finite(scale):
+    raise ValueError(f"{where}: scale must be a finite number > 0, got {scale!r}")
   return float(scale)
 
 

@@ -209,6 +209,10 @@ BAD_INPUTS = [
     ("window", dict(window=0)),
     ("softcap", dict(softcap=-1.0)),
     ("impl", dict(impl="cuda")),
+    # inf passed "> 0" (every logit inf or NaN); "no" is truthy (causal ran silently).
+    ("scale must be a finite", dict(scale=float("inf"))),
+    ("softcap must be None or a finite", dict(softcap=float("inf"))),
+    ("causal must be a bool", dict(causal="no")),
     # Host positions beyond int32 used to wrap to other positions on the cast.
     ("q_pos values must be in", dict(q_pos=np.array([[0, 2**31]], np.int64))),
     ("k_pos values must be in", dict(k_pos=np.arange(8, dtype=np.int64)[None] + 2**31 - 4)),
@@ -217,9 +221,11 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name,override", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_raises_value_error_naming_the_argument(name, override):
-  kw = dict(q=jnp.zeros((1, 2, 8, 16)), k=jnp.zeros((1, 8, 2, 16)), v=jnp.zeros((1, 8, 2, 16)))
+def test_bad_input_raises_value_error_naming_the_argument(name, override, impl):
+  kw = dict(q=jnp.zeros((1, 2, 8, 16)), k=jnp.zeros((1, 8, 2, 16)), v=jnp.zeros((1, 8, 2, 16)),
+            impl=impl)
   kw.update(override)
   with pytest.raises(ValueError, match=name):
     rkv.attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
@@ -295,3 +301,18 @@ def test_merge_propagates_a_nan_partial():
       assert np.isnan(mo[0, 1, 2, 3]) == bool(np.isnan(o_a[0, 1, 2, 3]))
       assert np.isnan(mo).sum() == (4 if np.isnan(lse_a).any() else 1)
       assert np.isnan(ml).sum() == int(np.isnan(lse_a).sum())
+
+
+@pytest.mark.parametrize("impl", IMPLS + ("cpu_kernel",))
+@pytest.mark.parametrize("t", [1, 17])
+def test_no_keys_gives_zero_and_neg_inf_on_every_backend(impl, t):
+  # S = 0 raised ZeroDivisionError (xla) and a reduction error (reference) where the kernels
+  # returned the no-key answer.
+  q = np.ones((1, t, 4, 16), np.float32)
+  k = np.zeros((1, 0, 2, 16), np.float32)
+  if impl == "cpu_kernel":
+    o, lse = _cpu_kernel_attention(q, k, k, None, None)
+  else:
+    o, lse = rkv.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), impl=impl)
+  assert o.shape == q.shape and lse.shape == q.shape[:3]
+  assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()

@@ -365,3 +365,22 @@ def test_nan_in_a_visible_cell_propagates(config, cell, field):
   ok = ~np.isnan(o_ref)
   tol = TOLERANCES["float32"]
   np.testing.assert_allclose(o[ok], o_ref[ok], atol=tol["o"][0], rtol=tol["o"][1])
+
+
+@pytest.mark.parametrize("tactic", ["stream", "cpu", "hybrid"])
+def test_degenerate_inputs_agree_across_tactics(tactic):
+  # An empty cache: o = 0, lse = -inf on every tactic; bad options: the same ValueError.
+  kv = rkv.RollingKV.empty(1, 32, 2, 16, window_cells=8, tile_cells=8, dtype=jnp.float32)
+  q = jnp.ones((1, 1, 4, 16), jnp.float32)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", q_pos=np.zeros((1, 1), np.int32))
+  assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+  kv = rkv.RollingKV.from_arrays(*(np.ones((1, 20, 2, 16), np.float32),) * 2, window_cells=4,
+                                 tile_cells=8)
+  for bad, match in ((dict(scale=float("inf")), "scale must be a finite"),
+                     (dict(softcap=float("inf")), "softcap must be None or a finite"),
+                     (dict(causal="no"), "causal must be a bool")):
+    with pytest.raises(ValueError, match=match):
+      rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", **bad)
+    with pytest.raises(ValueError, match=match):
+      cpu_lib.cpu_attention(np.ones((1, 1, 4, 16), np.float32), np.ones((1, 9, 2, 16), np.float32),
+                            np.ones((1, 9, 2, 16), np.float32), **bad)

@@ -382,7 +382,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got k dtype {kdt}")
   # --- options ---
   scale = validation.attention_options(where, window=window, softcap=softcap, scale=scale,
-                                       head_dim=d)
+                                       head_dim=d, causal=causal)
   _check_int(num_threads, "num_threads", where)
   _check_int(chunk, "chunk", where)
   # --- positions ---

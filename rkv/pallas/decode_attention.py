@@ -416,7 +416,7 @@ def _prepare(where, q, k, v, q_pos, k_pos, k_scale, v_scale, causal, window, sof
              block_sizes, interpret):
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where=where)
+                                   causal=causal, where=where)
   if args.q_len > MAX_QUERY_LEN:
     raise ValueError(f"{where}: q must have T <= {MAX_QUERY_LEN} query tokens (decode), got shape "
                      f"{tuple(q.shape)}; use flash attention for longer queries")

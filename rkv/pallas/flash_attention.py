@@ -382,8 +382,11 @@ def flash_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=No
   ``interpret=None`` interprets on a CPU backend. ``block_sizes=None`` picks
   ``BlockSizes.for_head_dim(D)``.
   """
+  validation.check_causal("flash_attention", causal)
   args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
                           block_sizes, interpret)
+  if args.kv_len == 0:  # no KV blocks to tile: the no-key answer, as every backend gives it
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   o, lse = _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,
                             causal=bool(causal), count_visits=False, **static)
   return o, lse
@@ -398,6 +401,7 @@ def flash_attention_block_visits(q, k, v, *, q_pos=None, k_pos=None, k_scale=Non
   For tests and tuning: proves tile skipping happens (a causal prefill with default positions
   computes about half of the nQ * nK blocks).
   """
+  validation.check_causal("flash_attention", causal)
   args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
                           block_sizes, interpret)
   return _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,
