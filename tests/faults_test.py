@@ -373,3 +373,43 @@ def test_config_with_fewer_layers_than_the_checkpoint_is_refused(tmp_path):
   with pytest.raises(ValueError, match=f"num_hidden_layers={n - 1} but the checkpoint holds "
                                        f"layers up to {n - 1}"):
     models.load_hf(str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment scripts check their flags and outputs before the work starts
+# ----------------------------------------------------------------------------------------------
+def test_check_output_path(tmp_path):
+  from rkv import benchmarking
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(ValueError, match=r"--out='.*a_file/r.json' cannot be written"):
+    benchmarking.check_output_path(str(blocker / "r.json"))
+  with pytest.raises(ValueError, match="--plot=.* is a directory"):
+    benchmarking.check_output_path(str(tmp_path), "plot")
+  with pytest.raises(ValueError, match="exists and is not a directory"):
+    benchmarking.check_output_path(str(blocker), directory=True)
+  benchmarking.check_output_path(str(tmp_path / "new" / "r.json"))  # folder created, no file left
+  assert os.listdir(tmp_path / "new") == []
+  benchmarking.check_output_path(None)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--out={blocker}/r.json"], "--out=.* cannot be written"),  # before: after the whole run
+    (["--n_outer=0"], "n_outer"),  # before: a numpy error on an empty list of timings
+], ids=["unwritable_out", "bad_count"])
+def test_experiment_script_refuses_up_front(tmp_path, args, match):
+  import re
+  import subprocess
+  import sys
+  import time
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  t0 = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_bench", "--quick",
+                         *(a.format(blocker=blocker) for a in args)], cwd=root,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert re.search(match, proc.stderr + proc.stdout), proc.stderr[-2000:]
+  assert "self-check" not in proc.stdout  # no benchmark ran
+  assert time.perf_counter() - t0 < 120
