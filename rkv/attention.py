@@ -1,7 +1,8 @@
 """Exact attention with its log-sum-exp: the reference, the portable jnp path, merges, dispatch.
 
 Every backend returns ``(o, lse)``: ``o [B,T,H,D]`` in q's dtype and ``lse [B,T,H]`` float32 in
-natural log. A row that sees no key returns ``o = 0`` and ``lse = -inf``. Because the LSE is
+natural log. A row that sees no key returns ``o = 0`` and ``lse = -inf``; a NaN a row reads (in q or
+a visible K/V cell) propagates to its output (DESIGN.md §3). Because the LSE is
 returned, attention over disjoint key sets (a device window and a host tail, or split-K chunks)
 combines exactly with :func:`merge`.
 """
@@ -195,7 +196,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):
   """Combines two partials ``(o [B,T,H,D], lse [B,T,H])`` into attention over the union.
 
   Exact: ``lse = log(e^lse_a + e^lse_b)`` and ``o = (e^lse_a o_a + e^lse_b o_b) / e^lse``. A side
-  that saw no key (``lse = -inf``) contributes nothing; both empty gives ``o = 0, lse = -inf``.
+  that saw no key (``lse = -inf``) contributes nothing; both empty gives ``o = 0, lse = -inf``; a
+  NaN side (it read a NaN) gives NaN.
   """
   if jnp.shape(o_a) != jnp.shape(o_b):
     raise ValueError(f"merge: o_b shape {jnp.shape(o_b)} must equal o_a shape {jnp.shape(o_a)}")

@@ -29,7 +29,8 @@
  * Arithmetic: float32 online softmax (natural log, like every rkv backend): logits of a block,
  * one rescale of the accumulators per block, then p @ V. A cell with k_pos < 0 is skipped before
  * its K/V bytes are touched, so NaN there cannot leak; a row that sees no key returns o = 0,
- * lse = -inf. int8 scales multiply the logit (k) and the weight (v), not the elements.
+ * lse = -inf; a row that reads a NaN (q, or a visible K cell) returns NaN in o and lse, as every
+ * rkv backend (masked cells are a select to -inf, so a NaN there is not "read"). int8 scales multiply the logit (k) and the weight (v), not the elements.
  *
  * Vectorization: AVX2 + FMA + F16C intrinsics when compiled for x86-64-v3; exp is a Cephes
  * polynomial. With D % 16 == 0 (the hot case: bf16, T=1, G=4, D=128) the register-blocked path:
