@@ -185,13 +185,13 @@ def check_int_range(where: str, name: str, x, lo: int, hi: int, meaning: str) ->
   values = host_values(x)
   if values is None or values.size == 0:
     return
-  if values.dtype == object or not np.issubdtype(values.dtype, np.integer):
-    if values.dtype != object:
-      return  # a float array: the dtype check names it
-    # Python ints beyond int64 make an object array: every element must still be an int in range.
+  if values.dtype == object:
+    # Python ints beyond int64 make an object array; anything else in it is the dtype check's.
     if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool)
                for e in values.ravel()):
       return
+  elif not np.issubdtype(values.dtype, np.integer):
+    return  # a float array: the dtype check names it
   vmin, vmax = int(values.min()), int(values.max())
   if vmin < lo or vmax > hi:
     raise ValueError(f"{where}: {name} values must be in [{lo}, {hi}] ({meaning}), got range "
