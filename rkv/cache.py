@@ -315,9 +315,11 @@ def _check_positions(pos, want: tuple[int, int], where: str, name: str, *,
 def check_live_parts(kv: RollingKV, where: str, name: str = "kv") -> None:
   """A stale cache (one an ``append`` already consumed) gives a ValueError saying to use the
   cache returned by the last append. Only the window and staging are checked: they are what
-  ``append`` donates, and they are a few arrays whatever the tail holds (this runs per layer and
-  token)."""
-  validation.check_live(where, name, (kv.window, kv.staging))
+  ``append`` donates, a whole block at a time (every array of it), so each block's ``k`` stands
+  for the block: two checks whatever the tail holds (this runs per layer and token; walking the
+  blocks' leaves cost 4.6 us a call)."""
+  for block in (kv.window, kv.staging):
+    validation.check_not_deleted(where, name, block.k)
 
 
 def _check_kv(k, v, k_scale, v_scale, where: str):
