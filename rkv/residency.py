@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -523,6 +524,29 @@ def modeled_times(window_bytes: float, tail_bytes: float, profile: Profile, *,
       head=None if head_bytes is None else head_time(*head_bytes, profile))
 
 
+CPU_KERNEL_TACTICS = ("cpu", "hybrid")
+
+
+def _available_tactics(forced: str | None) -> tuple[str, ...]:
+  """The selector's candidates on this machine. Without the CPU-tail kernel (no compiler, no
+  usable prebuilt library) cpu and hybrid cannot run: ``auto`` leaves them out with a warning
+  (stream still works), a forced ``cpu``/``hybrid`` mode is refused here, before a plan is
+  printed, not at the first decode step. (A plan for another machine, ``check_free=False``,
+  skips this, like the free-memory check.)"""
+  from rkv.offload import cpu_build
+  if forced is not None and forced not in CPU_KERNEL_TACTICS:
+    return OFFLOAD_TACTICS
+  ok, why = cpu_build.kernel_available()
+  if ok:
+    return OFFLOAD_TACTICS
+  if forced is not None:
+    raise ValueError(f"plan: mode={forced!r} needs the CPU-tail kernel, which is not available "
+                     f"here: {why}")
+  warnings.warn(f"plan: the CPU-tail kernel is not available ({why}); the cpu and hybrid tactics "
+                f"are left out", stacklevel=3)
+  return tuple(t for t in OFFLOAD_TACTICS if t not in CPU_KERNEL_TACTICS)
+
+
 def select(times: Mapping[str, float | None], candidates=OFFLOAD_TACTICS) -> str:
   """The candidate with the lowest modeled time; ties (within 1e-9 relative) go to the earlier
   candidate (stream, head, cpu, hybrid: simplest first — a hybrid that rounds to 0 or all tiles
@@ -628,7 +652,8 @@ class ResidencyConfig:
   prefetcher, and the reserve counts the eager schedule's lookahead + 1 tiles instead).
   ``check_free``: refuse, before anything is allocated, a plan that does not fit this machine —
   an explicit ``vram_target_mib`` whose caches plus the reserve exceed the device's free memory,
-  or a host tail above the host's available RAM (False: plan for another machine).
+  or a host tail above the host's available RAM, and leave out the cpu / hybrid tactics where the
+  CPU-tail kernel cannot run here (False: plan for another machine).
   ``tile_cells``: the largest host-tail tile; each layer's tile is picked so its whole tiles
   barely exceed the cells that must leave the device (:func:`tile_candidates`); a tight budget
   may shrink it to ``min_tile_cells``. Both multiples of WINDOW_ALIGN.
@@ -1318,6 +1343,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   # their own call (no prefetch), so its time keeps it.
   stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
                     else profile)
+  candidates = _available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
   layers = []
   for i in range(shape.num_layers):
     if i in ring:
@@ -1334,7 +1360,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
       mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
                         head=head_time(heads.device_read, heads.host_read, profile))
     times = mt.as_dict()
-    tactic = forced or select(times)
+    tactic = forced or select(times, candidates)
     if forced in ("cpu", "hybrid") and times[forced] is None:
       log.warning("plan: mode=%r but the profile has no cpu_attn_gbps: layer %d's time is not "
                   "modeled", cfg.mode, i)

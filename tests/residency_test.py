@@ -662,3 +662,20 @@ def test_probe_script_flags(tmp_path):
   cfg = prof.details["config"]
   assert cfg["tail_tiles"] == [1, 3] and cfg["contention_tiles"] == 3 and cfg["cpu_threads"] == 1
   assert "hybrid, " in run.stdout and "wrote" in run.stdout
+
+
+def test_planner_without_the_cpu_kernel_leaves_cpu_and_hybrid_out(monkeypatch):
+  # Before: with no compiler the planner still chose cpu/hybrid and the run failed after the
+  # plan printed. The profile of the synthetic selector test that picks "cpu".
+  from rkv.offload import cpu_build
+  monkeypatch.setattr(cpu_build, "kernel_available", lambda: (False, "no C compiler found"))
+  prof = dataclasses.replace(FLAT, pcie_gbps=0.5, cpu_attn_gbps=50.0)
+  with pytest.warns(UserWarning, match="CPU-tail kernel is not available.*cpu and hybrid"):
+    p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof))
+  assert p.tactics() == ("stream", "stream")
+  for mode in ("cpu", "hybrid"):
+    with pytest.raises(ValueError, match=f"mode='{mode}' needs the CPU-tail kernel.*no C compiler"):
+      rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof, mode=mode))
+  # A plan for another machine does not ask this one.
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof, check_free=False))
+  assert p.tactics() == ("cpu", "cpu")
