@@ -44,18 +44,23 @@ CPU smoke runs:
 from absl import app, flags
 
 from lab import decode_bench
+from rkv import benchmarking
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288"], "Synthetic cache fills (tokens).")
 _CONFIGS = flags.DEFINE_list("configs", list(decode_bench.CONFIGS), "Rows to run.")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch rows.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch rows.", lower_bound=1)
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights dtype (and the KV's by default).")
 _KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, list(decode_bench.KV_DTYPES),
                               "KV cache dtype (default: --dtype); int8: rkv rows only.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed decode steps (resident/static rows).")
-_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps (resident/static rows).")
-_OFF_WARMUP = flags.DEFINE_integer("offload_warmup", 2, "Untimed steps (offloaded rows).")
-_OFF_STEPS = flags.DEFINE_integer("offload_steps", 6, "Timed steps (offloaded rows).")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed decode steps (resident/static rows).",
+                               lower_bound=0)
+_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps (resident/static rows).",
+                              lower_bound=1)
+_OFF_WARMUP = flags.DEFINE_integer("offload_warmup", 2, "Untimed steps (offloaded rows).",
+                                   lower_bound=0)
+_OFF_STEPS = flags.DEFINE_integer("offload_steps", 6, "Timed steps (offloaded rows).",
+                                  lower_bound=1)
 _FRACTION = flags.DEFINE_float("offload_fraction", 0.5, "Share of the KV rkv puts on the host "
                                "(--budget=fraction).")
 _BUDGET = flags.DEFINE_enum("budget", "fraction", list(decode_bench.BUDGETS),
@@ -66,8 +71,9 @@ _RESERVE = flags.DEFINE_float("reserve_mib", None, "The planner's reserve under 
                               "(default: derived by the planner, rkv.planner.derive_reserve).")
 _MODE = flags.DEFINE_enum("offload_mode", "auto", list(decode_bench.OFFLOAD_MODES),
                           "Planner mode of rkv_offload (force: force_stream).")
-_TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).")
-_MIN_TILE = flags.DEFINE_integer("min_tile_cells", 4096, "Smallest host-tail tile (cells).")
+_TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).", lower_bound=1)
+_MIN_TILE = flags.DEFINE_integer("min_tile_cells", 4096, "Smallest host-tail tile (cells).",
+                                 lower_bound=1)
 _MARGIN = flags.DEFINE_float("margin_gib", 6.0, "Device memory kept free in the fit checks.")
 _DEVMEM = flags.DEFINE_float("device_memory_gib", 0.0, "Device memory for the fit checks (0: ask).")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON the planner uses (default: "
@@ -76,7 +82,8 @@ _HF_DEVICE = flags.DEFINE_string("hf_device", "auto", "torch device (auto: cuda 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"], "rkv attention.")
 _SCHEDULE = flags.DEFINE_enum("schedule", None, list(decode_bench.SCHEDULES),
                               "Rolling caches' streaming schedule (default: rkv.rolling's).")
-_FILL_LOG = flags.DEFINE_integer("fill_log_every", 4, "Layers between fill progress lines.")
+_FILL_LOG = flags.DEFINE_integer("fill_log_every", 4, "Layers between fill progress lines.",
+                                 lower_bound=1)
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
 _APPEND = flags.DEFINE_bool("append", False, "Add this run's rows to those already in --out.")
 _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
@@ -85,6 +92,9 @@ _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
+  benchmarking.check_output_path(_PLOT.value, "plot")
   cfg = decode_bench.BenchConfig(
       preset=_PRESET.value, contexts=tuple(int(x) for x in _CONTEXTS.value),
       configs=tuple(_CONFIGS.value), batch=_BATCH.value, dtype=_DTYPE.value,

@@ -29,15 +29,16 @@ from absl import app, flags
 
 import rkv  # noqa: F401  (first: rkv sets the device memory fraction before JAX starts)
 from experiments.trace_summary import summarize
+from rkv import benchmarking
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
 _CONFIGS = flags.DEFINE_list("configs", ["resident:2048", "resident:131072",
                                          "offload:131072:0.5"], "kind:context[:host share].")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps.")
-_STEPS = flags.DEFINE_integer("steps", 8, "Timed, untraced steps.")
-_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps.", lower_bound=0)
+_STEPS = flags.DEFINE_integer("steps", 8, "Timed, untraced steps.", lower_bound=1)
+_TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.", lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
-_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.")
+_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
 
 
@@ -74,6 +75,8 @@ def _caches(kind, mc, ctx, share, key, profile):
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   import gc
   import jax
   import numpy as np

@@ -15,8 +15,9 @@ from absl import app, flags
 
 from lab import demo
 from rkv import tactics
+from rkv import benchmarking
 
-_CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.")
+_CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.", lower_bound=1)
 _DEPTH = flags.DEFINE_float("depth", 0.5, "Needle depth: 0 = start of the haystack, 1 = end.")
 _SHARE = flags.DEFINE_float("device_share", 0.2, "Share of the KV bytes the plan keeps on the "
                             "device (the rest goes to the host tail).")
@@ -25,9 +26,9 @@ _MODE = flags.DEFINE_enum("mode", "auto", list(tactics.MODES) + ["window"],
                           "the deprecated name of stream).")
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner (default: "
                                "~/.cache/rkv/profile.json if present, else rkv.H200_DEFAULT).")
-_TILE = flags.DEFINE_integer("tile_cells", 1024, "Largest host-tail tile (cells).")
+_TILE = flags.DEFINE_integer("tile_cells", 1024, "Largest host-tail tile (cells).", lower_bound=1)
 _CHECK = flags.DEFINE_integer("check_tokens", 32, "Prompt tokens decoded one by one for the "
-                              "logit gate.")
+                              "logit gate.", lower_bound=0)
 _SEED = flags.DEFINE_integer("seed", 0, "Haystack seed.")
 _MODEL = flags.DEFINE_string("model", None, "Recall model folder (default: the shipped one).")
 _OUT = flags.DEFINE_string("out", None, "Also write the figures as JSON here.")
@@ -35,6 +36,8 @@ _OUT = flags.DEFINE_string("out", None, "Also write the figures as JSON here.")
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   cfg = demo.DemoConfig(context=_CONTEXT.value, depth=_DEPTH.value,
                         device_share=_SHARE.value, mode=_MODE.value, profile_path=_PROFILE.value,
                         tile_cells=_TILE.value, min_tile_cells=min(256, _TILE.value),

@@ -17,14 +17,17 @@ from absl import app
 from absl import flags
 
 from rkv import gates
+from rkv import benchmarking
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tests/fixtures/hf/gemma2",
                                   "Local HF checkpoint folder ('' to use --preset).")
 _PRESET = flags.DEFINE_string("preset", None, "A random-weight ModelConfig preset, e.g. tiny-llama.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model and KV dtype.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Tokens per row (without a reference.npz).")
-_PREFILL = flags.DEFINE_integer("prefill_len", 18, "Prefilled tokens; the rest are decoded.")
-_BATCH = flags.DEFINE_integer("batch", 2, "Rows (without a reference.npz).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Tokens per row (without a reference.npz).",
+                                lower_bound=1)
+_PREFILL = flags.DEFINE_integer("prefill_len", 18, "Prefilled tokens; the rest are decoded.",
+                                lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 2, "Rows (without a reference.npz).", lower_bound=1)
 _W = flags.DEFINE_integer("window_cells", 5, "Forced window W (-1: let the planner place it).")
 _TILE = flags.DEFINE_integer("tile_cells", 4, "Forced tail tile (-1: the planner's).")
 _VRAM = flags.DEFINE_float("vram_target_mib", 0.0,
@@ -43,6 +46,8 @@ _OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   report = gates.equivalence_gate(
       checkpoint=_CHECKPOINT.value or None, preset=_PRESET.value, dtype=_DTYPE.value,
       seq_len=_SEQ_LEN.value, prefill_len=_PREFILL.value, batch=_BATCH.value,

@@ -19,11 +19,14 @@ _OUT = flags.DEFINE_string("out", None, "Where to write the JSON result (none: p
 _TOKAMAX = flags.DEFINE_bool("tokamax", False, "Add tokamax's Mosaic attention as a prefill peer.")
 _SWEEP_DECODE = flags.DEFINE_string("sweep_decode", "", "JSON list of decode BlockSizes overrides.")
 _SWEEP_PREFILL = flags.DEFINE_string("sweep_prefill", "", "JSON list of flash BlockSizes overrides.")
-_N_OUTER = flags.DEFINE_integer("n_outer", 7, "Timed batches per contender (the median is reported).")
+_N_OUTER = flags.DEFINE_integer("n_outer", 7, "Timed batches per contender (the median is reported).",
+                                lower_bound=1)
 
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   result = kernel_bench.run(quick=_QUICK.value, use_tokamax=_TOKAMAX.value, n_outer=_N_OUTER.value,
                             sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value),
                             sweep_prefill=kernel_bench.parse_sweep(_SWEEP_PREFILL.value))

@@ -21,23 +21,26 @@ from absl import flags
 
 from lab import niah
 from rkv import recall
+from rkv import benchmarking
 
 _N = niah.NiahConfig()
 _MODEL = flags.DEFINE_string("model", None, "Recall model folder (default: the shipped one).")
 _LENGTHS = flags.DEFINE_list("lengths", [str(x) for x in _N.lengths], "Context lengths (tokens).")
 _DEPTHS = flags.DEFINE_list("depths", [str(x) for x in _N.depths],
                             "Needle depths in [0, 1] (0: first, 1: last before the query).")
-_SAMPLES = flags.DEFINE_integer("samples", _N.samples, "Prompts per (length, depth) cell.")
-_BATCH = flags.DEFINE_integer("batch", _N.batch, "Prompts decoded together.")
+_SAMPLES = flags.DEFINE_integer("samples", _N.samples, "Prompts per (length, depth) cell.",
+                                lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", _N.batch, "Prompts decoded together.", lower_bound=1)
 _TACTICS = flags.DEFINE_list("tactics", list(_N.tactics),
                              f"Of {niah.TACTICS}; resident is always run (the yardstick).")
 _W = flags.DEFINE_integer("window_cells", _N.window_cells, "Device window of offloaded layers.")
-_TILE = flags.DEFINE_integer("tile_cells", _N.tile_cells, "Host-tail tile of offloaded layers.")
+_TILE = flags.DEFINE_integer("tile_cells", _N.tile_cells, "Host-tail tile of offloaded layers.",
+                             lower_bound=1)
 _CPU_FRACTION = flags.DEFINE_float("cpu_fraction", _N.cpu_fraction,
                                    "hybrid: share of the tail's tiles attended on the CPU.")
 _HEADS = flags.DEFINE_integer("resident_heads", _N.resident_heads,
                               "head: KV heads kept whole on the device.")
-_CHUNK = flags.DEFINE_integer("chunk", _N.chunk, "Prefill chunk (tokens).")
+_CHUNK = flags.DEFINE_integer("chunk", _N.chunk, "Prefill chunk (tokens).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", _N.seed, "Seed of the prompts.")
 _IMPL = flags.DEFINE_string("impl", "auto", "Attention backend (rkv.attention impl).")
 _OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
@@ -45,6 +48,8 @@ _OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   # Every batch plans its caches; the planner's "whole cache fits" line would flood the output.
   logging.getLogger("rkv.planner").setLevel(logging.WARNING)
   model, _, task = recall.load_recall_model(_MODEL.value, impl=_IMPL.value)

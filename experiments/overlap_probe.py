@@ -28,14 +28,16 @@ import rkv
 from rkv import benchmarking
 from rkv.offload import memory
 
-_CONTEXT = flags.DEFINE_integer("context", 524288, "Cells in the cache.")
+_CONTEXT = flags.DEFINE_integer("context", 524288, "Cells in the cache.", lower_bound=1)
 _FRACTION = flags.DEFINE_float("window_fraction", 0.5, "Share of the cells on the device.")
-_TILE = flags.DEFINE_integer("tile_cells", 32768, "Tail tile size.")
+_TILE = flags.DEFINE_integer("tile_cells", 32768, "Tail tile size.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "JSON output path.")
 
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   b, h, kh, d, s = 1, 32, 8, 128, _CONTEXT.value
   w = int(s * _FRACTION.value)
   tile = _TILE.value

@@ -21,6 +21,7 @@ from absl import app
 from absl import flags
 
 from rkv import probe
+from rkv import benchmarking
 
 _D = probe.ProbeConfig()  # every flag's default is the library's
 
@@ -30,28 +31,31 @@ _TRANSFER = flags.DEFINE_list("transfer_mib", [f"{x:g}" for x in _D.transfer_mib
 _LATENCY = flags.DEFINE_float("latency_kib", _D.latency_kib, "Size of the small copy timed for its latency.")
 _KV_LENS = flags.DEFINE_list("attn_kv_lens", [str(x) for x in _D.attn_kv_lens],
                              "KV lengths of the decode-attention timings (a line is fit).")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch B of the attention shapes.")
-_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
-_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch B of the attention shapes.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.", lower_bound=1)
+_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "KV dtype.")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"],
                           "rkv.attention backend timed.")
 _CPU = flags.DEFINE_bool("cpu", True, "Measure host-CPU attention (if its module exists).")
-_CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", _D.cpu_kv_len, "KV length of the CPU attention timing.")
+_CPU_KV_LEN = flags.DEFINE_integer("cpu_kv_len", _D.cpu_kv_len, "KV length of the CPU attention timing.",
+                                   lower_bound=1)
 _CPU_TILE = flags.DEFINE_integer("cpu_tile_cells", _D.cpu_tile_cells,
-                                 "Tail tile of the CPU timings and of the probe's RollingKV.")
+                                 "Tail tile of the CPU timings and of the probe's RollingKV.",
+                                 lower_bound=1)
 _TAIL_TILES = flags.DEFINE_list("tail_tiles", [str(n) for n in _D.tail_tiles],
                                 "Tail sizes (tiles) of the cpu path's fit: cpu_attn_gbps and "
                                 "cpu_overhead_us.")
 _CONTENTION = flags.DEFINE_integer("contention_tiles", _D.contention_tiles,
-                                   "Tiles of the hybrid contention step (0: not measured).")
+                                   "Tiles of the hybrid contention step (0: not measured).",
+                                   lower_bound=0)
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads (default: the tactics' default, all "
                                     "cores but one; rkv.offload.cpu_attention.tail_threads).")
 _HOST_READ = flags.DEFINE_float("host_read_mib", _D.host_read_mib, "Buffer read to time host memory bandwidth.")
-_WARMUP = flags.DEFINE_integer("warmup", _D.warmup, "Untimed runs before timing.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs; the median is reported.")
+_WARMUP = flags.DEFINE_integer("warmup", _D.warmup, "Untimed runs before timing.", lower_bound=0)
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs; the median is reported.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "Profile path (default ~/.cache/rkv/profile.json).")
 _OVERRIDES = {name: flags.DEFINE_float(name, None, f"Use this {name} instead of measuring it.")
               for name in probe.FIGURES}
@@ -59,6 +63,8 @@ _OVERRIDES = {name: flags.DEFINE_float(name, None, f"Use this {name} instead of 
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   cfg = probe.ProbeConfig(
       transfer_mib=tuple(float(x) for x in _TRANSFER.value), latency_kib=_LATENCY.value,
       attn_kv_lens=tuple(int(x) for x in _KV_LENS.value), batch=_BATCH.value,

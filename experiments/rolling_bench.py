@@ -21,6 +21,7 @@ CPU smoke run:
 from absl import app, flags
 
 from lab import rolling_bench as bench
+from rkv import benchmarking
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["131072", "524288", "1048576"],
                               "Context lengths (cells).")
@@ -31,18 +32,19 @@ _TILES = flags.DEFINE_list("tile_cells", ["32768"], "Tail tile sizes (cells) to 
 _LOOKAHEADS = flags.DEFINE_list("lookaheads", ["4"], "Tiles requested ahead of the attended one, "
                                 "one row each; 'all' = every transfer up front (whole tail on "
                                 "the device during the step).")
-_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
-_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
+_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.", lower_bound=1)
+_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32", "int8"],
                            "KV dtype (int8: quantized cache, bf16 queries).")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"],
                           "Backend of the device partials.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
-_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs; the median is reported.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.", lower_bound=0)
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed runs; the median is reported.", lower_bound=1)
 _HYBRID = flags.DEFINE_list("hybrid_cpu_fractions", [],
                             "Also time tactic='hybrid' (eager) at these CPU shares of the tail.")
-_APPENDS = flags.DEFINE_integer("append_steps", 16, "One-token appends timed per tail size.")
+_APPENDS = flags.DEFINE_integer("append_steps", 16, "One-token appends timed per tail size.",
+                                lower_bound=1)
 _OUT = flags.DEFINE_string("out", "benchmarks/results/rolling_bench.json", "JSON output path.")
 
 
@@ -57,6 +59,8 @@ def _lookahead(x: str):
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   cfg = bench.BenchConfig(
       contexts=tuple(int(x) for x in _CONTEXTS.value),
       window_fractions=tuple(float(x) for x in _FRACTIONS.value),

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import rkv
 from rkv.offload import memory
 
-_CONTEXT = flags.DEFINE_integer("context", 131072, "Cells in the cache.")
+_CONTEXT = flags.DEFINE_integer("context", 131072, "Cells in the cache.", lower_bound=1)
 _FRACTION = flags.DEFINE_float("window_fraction", 0.5, "Share of the cells in the device window.")
-_TILE = flags.DEFINE_integer("tile_cells", 32768, "Tail tile size in cells.")
+_TILE = flags.DEFINE_integer("tile_cells", 32768, "Tail tile size in cells.", lower_bound=1)
 _SCHEDULES = flags.DEFINE_list("schedules", ["unrolled"], "Schedules to compile (the single-program "
                                "ones: 'eager' dispatches many small programs).")
-_LOOKAHEAD = flags.DEFINE_integer("lookahead", 1, "Tiles requested ahead of the attended one.")
+_LOOKAHEAD = flags.DEFINE_integer("lookahead", 1, "Tiles requested ahead of the attended one.",
+                                  lower_bound=0)
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/rkv_hlo", "Where the .hlo.txt files and report go.")
 
 

@@ -25,6 +25,7 @@ from absl import app, flags
 from rkv import probe
 from rkv import tactics
 from lab import tactics_bench
+from rkv import benchmarking
 
 _P = probe.ProbeConfig()  # the probe flags' defaults are the library's
 
@@ -35,28 +36,31 @@ _TACTICS = flags.DEFINE_list("tactics", list(tactics.OFFLOADED), "Tactics measur
 _SPLITS = flags.DEFINE_list("hybrid_splits", ["plan", "plan-1", "plan+1"],
                             "Hybrid rows: 'plan' (the planner's split), 'plan+N'/'plan-N' (N more "
                             "/ fewer CPU tiles) or a CPU share of the tiles in [0, 1].")
-_TILE = flags.DEFINE_integer("tile_cells", 32768, "The planner's largest tail tile (cells).")
-_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.")
-_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
+_TILE = flags.DEFINE_integer("tile_cells", 32768, "The planner's largest tail tile (cells).",
+                             lower_bound=1)
+_HEADS = flags.DEFINE_integer("num_heads", 32, "Query heads H.", lower_bound=1)
+_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "KV dtype.")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "reference"],
                           "Backend of the device partials.")
 _SCHEDULE = flags.DEFINE_enum("schedule", "eager", ["eager", "unrolled"], "Stream schedule.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed runs; the median is reported.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed runs before timing.", lower_bound=0)
+_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed runs; the median is reported.", lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON to model with instead of "
                                "probing in this run.")
 _P_TRANSFER = flags.DEFINE_list("probe_transfer_mib", [f"{x:g}" for x in _P.transfer_mib],
                                 "Probe: device_put sizes (a line gives PCIe rate + fixed cost).")
 _P_KV_LENS = flags.DEFINE_list("probe_attn_kv_lens", [str(x) for x in _P.attn_kv_lens],
                                "Probe: device attention KV lengths.")
-_P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", _P.cpu_kv_len, "Probe: CPU attention KV length.")
+_P_CPU_KV = flags.DEFINE_integer("probe_cpu_kv_len", _P.cpu_kv_len, "Probe: CPU attention KV length.",
+                                 lower_bound=1)
 _P_READ = flags.DEFINE_float("probe_host_read_mib", _P.host_read_mib, "Probe: host read buffer (MiB).")
 _P_TAIL = flags.DEFINE_list("probe_tail_tiles", [str(n) for n in _P.tail_tiles],
                             "Probe: tail sizes (tiles) of the cpu tactic's rate + fixed cost fit.")
 _P_CONTENTION = flags.DEFINE_integer("probe_contention_tiles", _P.contention_tiles,
-                                     "Probe: tiles of the hybrid contention step (0: none).")
+                                     "Probe: tiles of the hybrid contention step (0: none).",
+                                     lower_bound=0)
 _CPU_THREADS = flags.DEFINE_integer("cpu_threads", None,
                                     "CPU kernel threads of the cpu / hybrid rows and the probe "
                                     "(default: the tactics' default, all cores but one).")
@@ -65,6 +69,8 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/tactics_bench_h200.json", 
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value)
   cfg = tactics_bench.TacticsConfig(
       contexts=tuple(int(x) for x in _CONTEXTS.value),
       window_fractions=tuple(float(x) for x in _FRACTIONS.value),

@@ -26,6 +26,7 @@ from absl import flags
 
 from lab import recall_train
 from rkv import recall
+from rkv import benchmarking
 
 _T = recall_train.TrainConfig()
 _S = recall.RecallModelSpec()
@@ -41,27 +42,32 @@ _STAGES = flags.DEFINE_list(
     "with positions spread up to --max_span (ramped in over the stage's first half), REPEAT the "
     "share of haystack pairs repeated and supervised.")
 _TOKENS = flags.DEFINE_integer("tokens_per_step", _T.tokens_per_step,
-                               "Tokens per step; batch = tokens_per_step // length.")
+                               "Tokens per step; batch = tokens_per_step // length.", lower_bound=1)
 _LR = flags.DEFINE_float("lr", _T.lr, "Peak learning rate (AdamW, warm-up + cosine).")
-_WARMUP = flags.DEFINE_integer("warmup", _T.warmup, "Warm-up steps.")
-_QUERIES = flags.DEFINE_integer("num_queries", _T.num_queries, "Most queries per training row.")
-_PAIRS = flags.DEFINE_integer("max_pairs", _T.max_pairs, "Most key-value pairs per row.")
+_WARMUP = flags.DEFINE_integer("warmup", _T.warmup, "Warm-up steps.", lower_bound=0)
+_QUERIES = flags.DEFINE_integer("num_queries", _T.num_queries, "Most queries per training row.",
+                                lower_bound=1)
+_PAIRS = flags.DEFINE_integer("max_pairs", _T.max_pairs, "Most key-value pairs per row.",
+                              lower_bound=1)
 _SPAN = flags.DEFINE_integer("max_span", _T.max_span,
-                             "Spread rows' positions reach up to this (random jumps).")
+                             "Spread rows' positions reach up to this (random jumps).",
+                             lower_bound=1)
 _ADJ = flags.DEFINE_float("adjacent_prob", _T.adjacent_prob,
                           "Share of rows whose last haystack pair is the first query's.")
 _INIT = flags.DEFINE_string("init", None, "Continue from this saved folder's weights.")
 _SEED = flags.DEFINE_integer("seed", _T.seed, "Seed of the initialization and the data.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", _T.log_every, "Print progress every N steps.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", _T.log_every, "Print progress every N steps.",
+                                  lower_bound=1)
 _EVAL_LENGTHS = flags.DEFINE_list("eval_lengths", [str(x) for x in _T.eval_lengths],
                                   "Context lengths of the final greedy-retrieval eval.")
-_EVAL_SAMPLES = flags.DEFINE_integer("eval_samples", _T.eval_samples, "Prompts per eval length.")
-_LAYERS = flags.DEFINE_integer("num_layers", _S.num_layers, "Transformer layers.")
-_HIDDEN = flags.DEFINE_integer("hidden_size", _S.hidden_size, "Hidden size.")
-_FFN = flags.DEFINE_integer("intermediate_size", _S.intermediate_size, "MLP size.")
-_HEADS = flags.DEFINE_integer("num_heads", _S.num_heads, "Query heads.")
-_KV_HEADS = flags.DEFINE_integer("num_kv_heads", _S.num_kv_heads, "KV heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", _S.head_dim, "Head dim.")
+_EVAL_SAMPLES = flags.DEFINE_integer("eval_samples", _T.eval_samples, "Prompts per eval length.",
+                                     lower_bound=1)
+_LAYERS = flags.DEFINE_integer("num_layers", _S.num_layers, "Transformer layers.", lower_bound=1)
+_HIDDEN = flags.DEFINE_integer("hidden_size", _S.hidden_size, "Hidden size.", lower_bound=1)
+_FFN = flags.DEFINE_integer("intermediate_size", _S.intermediate_size, "MLP size.", lower_bound=1)
+_HEADS = flags.DEFINE_integer("num_heads", _S.num_heads, "Query heads.", lower_bound=1)
+_KV_HEADS = flags.DEFINE_integer("num_kv_heads", _S.num_kv_heads, "KV heads.", lower_bound=1)
+_HEAD_DIM = flags.DEFINE_integer("head_dim", _S.head_dim, "Head dim.", lower_bound=1)
 _THETA = flags.DEFINE_float("rope_theta", _S.rope_theta, "RoPE base.")
 _OUT = flags.DEFINE_string("out", None, "Save the HF folder here (e.g. rkv/assets/recall).")
 
@@ -77,6 +83,8 @@ def _parse_stage(text: str) -> recall_train.Stage:
 
 def main(argv):
   del argv
+  # Output paths first: an unwritable one used to fail only after the whole run.
+  benchmarking.check_output_path(_OUT.value, directory=True)
   spec = recall.RecallModelSpec(
       num_layers=_LAYERS.value, hidden_size=_HIDDEN.value, intermediate_size=_FFN.value,
       num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value,

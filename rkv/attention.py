@@ -1,7 +1,8 @@
 """Exact attention with its log-sum-exp: the reference, the portable jnp path, merges, dispatch.
 
 Every backend returns ``(o, lse)``: ``o [B,T,H,D]`` in q's dtype and ``lse [B,T,H]`` float32 in
-natural log. A row that sees no key returns ``o = 0`` and ``lse = -inf``. Because the LSE is
+natural log. A row that sees no key returns ``o = 0`` and ``lse = -inf``; a NaN a row reads (in q or
+a visible K/V cell) propagates to its output (docs/DESIGN.md §3). Because the LSE is
 returned, attention over disjoint key sets (a device window and a host tail, or split-K chunks)
 combines exactly with :func:`merge`.
 """
@@ -56,9 +57,26 @@ def _softcap(logits: jax.Array, softcap: float | None) -> jax.Array:
   return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
+def saw_a_key(row_sum: jax.Array) -> jax.Array:
+  """True where an online-softmax row saw a key: its sum of weights is not exactly 0.
+
+  ``row_sum != 0``, not ``row_sum > 0``: a NaN that attention read makes the sum NaN, and NaN > 0
+  is False, which used to turn a poisoned row into a silent "saw no key" (o = 0, lse = -inf).
+  NaN != 0 is True, so the NaN reaches o and lse (docs/DESIGN.md §3).
+  """
+  return row_sum != 0
+
+
+def _no_keys(q):
+  """The answer for S = 0 (every row sees no key): ``o = 0``, ``lse = -inf``, as every backend
+  gives it (the reductions over an empty axis would fail here)."""
+  return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+
+
 def _finish(o_acc, row_sum, row_max, out_dtype):
-  """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``."""
-  seen = row_sum > 0
+  """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``, rows
+  that read a NaN give NaN."""
+  seen = saw_a_key(row_sum)
   o = jnp.where(seen[..., None], o_acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
   return o.astype(out_dtype), lse.astype(jnp.float32)
@@ -72,7 +90,9 @@ def attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scal
   """Float32 attention that materializes every logit: the yardstick for the fast paths."""
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="attention_reference")
+                                   causal=causal, where="attention_reference")
+  if args.kv_len == 0:
+    return _no_keys(q)
   return _reference(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal,
                     window=window, softcap=softcap, scale=args.scale)
 
@@ -107,9 +127,11 @@ def attention_xla(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None
   """Portable flash attention: never materializes ``[T,S]``, runs on any backend."""
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="attention_xla")
+                                   causal=causal, where="attention_xla")
   if not isinstance(block_k, int) or block_k < 1:
     raise ValueError(f"attention_xla: block_k must be a positive int, got {block_k!r}")
+  if args.kv_len == 0:
+    return _no_keys(q)
   return _xla(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal, window=window,
               softcap=softcap, scale=args.scale, block_k=min(block_k, args.kv_len))
 
@@ -174,7 +196,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array):
   """Combines two partials ``(o [B,T,H,D], lse [B,T,H])`` into attention over the union.
 
   Exact: ``lse = log(e^lse_a + e^lse_b)`` and ``o = (e^lse_a o_a + e^lse_b o_b) / e^lse``. A side
-  that saw no key (``lse = -inf``) contributes nothing; both empty gives ``o = 0, lse = -inf``.
+  that saw no key (``lse = -inf``) contributes nothing; both empty gives ``o = 0, lse = -inf``; a
+  NaN side (it read a NaN) gives NaN.
   """
   if jnp.shape(o_a) != jnp.shape(o_b):
     raise ValueError(f"merge: o_b shape {jnp.shape(o_b)} must equal o_a shape {jnp.shape(o_a)}")
@@ -189,10 +212,12 @@ def merge_partials(o: jax.Array, lse: jax.Array):
   """Merges N partials stacked on a leading axis: ``o [N,...,D]``, ``lse [N,...]``."""
   lse = lse.astype(jnp.float32)
   top = jnp.max(lse, axis=0)
-  safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)  # [N,...], each <= 1
+  # Only lse = -inf means "this partial saw no key" (weight 0). The guards compare with -inf, not
+  # isfinite: a NaN partial (it read a NaN) must poison the merge, not drop out of it.
+  safe_top = jnp.where(top == -jnp.inf, 0.0, top)
+  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_top))  # [N,...], each <= 1
   total = w.sum(0)
-  seen = total > 0
+  seen = saw_a_key(total)
   o_sum = jnp.einsum("n...,n...d->...d", w, o.astype(jnp.float32), precision=_HIGHEST)
   o_out = jnp.where(seen[..., None], o_sum / jnp.where(seen, total, 1.0)[..., None], 0.0)
   lse_out = jnp.where(seen, safe_top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
@@ -219,7 +244,8 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, soft
   int8 K/V take ``k_scale``/``v_scale`` ``[B,S,K]``. ``block_sizes`` goes to the Pallas kernel.
   """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
-                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale)
+                                   v_scale=v_scale, window=window, softcap=softcap, scale=scale,
+                                   causal=causal)
   impl = resolve_impl(impl, args.q_len)
   # The caller's positions go through unchanged: with k_pos=None the kernels know the keys are
   # arange(S) and take their cheaper default-positions path.

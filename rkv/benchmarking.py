@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import platform
 import statistics
 import time
@@ -67,6 +68,28 @@ def environment() -> dict[str, Any]:
   return dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
               platform=platform.platform(), python=platform.python_version(),
               time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def check_output_path(path: str | None, flag: str = "out", *, directory: bool = False) -> None:
+  """Fails now, not after an hour of benchmarking, if ``path`` (the value of ``--flag``) cannot be
+  written: its folder is created and a probe file written and removed there. ``directory``: the
+  output is a folder (created if missing). None or "" (no output) passes.
+  Raises ValueError naming the flag."""
+  if not path:
+    return
+  target = os.path.abspath(path)
+  folder = target if directory else os.path.dirname(target)
+  if not directory and os.path.isdir(target):
+    raise ValueError(f"--{flag}={path!r} is a directory; expected a file path")
+  if directory and os.path.exists(target) and not os.path.isdir(target):
+    raise ValueError(f"--{flag}={path!r} exists and is not a directory")
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".rkv-write-check-"):
+      pass
+  except OSError as e:
+    raise ValueError(f"--{flag}={path!r} cannot be written ({e}); checked before the run "
+                     f"starts") from e
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

@@ -42,10 +42,14 @@ used afterwards (the usual in-place KV cache contract; the returned cache is the
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import functools
 import json
 import os
+import shutil
+import tempfile
 import zlib
 from typing import ClassVar
 
@@ -54,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import tactics
+from rkv import validation
 from rkv.offload import memory
 
 DEFAULT_TILE_CELLS = 32768  # docs/DESIGN.md §7: 32K-cell tiles streamed at 48.5 GB/s inside one jit.
@@ -358,6 +363,16 @@ def _check_positions(pos, want: tuple[int, int], where: str, name: str, *,
                        f" got range [{lo}, {hi}]")
 
 
+def check_live_parts(kv: RollingKV, where: str, name: str = "kv") -> None:
+  """A stale cache (one an ``append`` already consumed) gives a ValueError saying to use the
+  cache returned by the last append. Only the window and staging are checked: they are what
+  ``append`` donates, a whole block at a time (every array of it), so each block's ``k`` stands
+  for the block: two checks whatever the tail holds (this runs per layer and token; walking the
+  blocks' leaves cost 4.6 us a call)."""
+  for block in (kv.window, kv.staging):
+    validation.check_not_deleted(where, name, block.k)
+
+
 def _check_kv(k, v, k_scale, v_scale, where: str):
   for name, x in (("k", k), ("v", v)):
     if len(np.shape(x)) != 4:
@@ -386,9 +401,31 @@ def quantize_int8(x):
   """
   x = jnp.asarray(x, jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+  # amax == 0 (an all-zero row) gets scale 1; a NaN or inf amax keeps a NaN / inf scale, so a
+  # non-finite row that reached here (device values, not checked: see check_quantizable) gives
+  # NaN where attention reads it instead of a finite, wrong row (``amax > 0`` made NaN's scale 1).
+  scale = jnp.where(amax == 0, 1.0, amax / 127.0).astype(jnp.float32)
   q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
   return q, scale
+
+
+def check_quantizable(where: str, name: str, x, pos=None) -> None:
+  """int8 holds finite values only: a NaN or inf in ``x [B,S,K,D]`` is refused with the cell named
+  (batch row, cell index and its position in ``pos [B,S]`` if given, KV head).
+
+  ``x`` must be host data or a value the caller reads back anyway; ``append`` passes device
+  values on without a check (a read-back per layer and token would sync the decode loop), and
+  :func:`quantize_int8` then keeps the row non-finite rather than wrong."""
+  x = np.asarray(x)
+  finite = np.isfinite(x)
+  if finite.all():
+    return
+  b, j, h, _ = (int(i) for i in np.argwhere(~finite)[0])
+  at = "" if pos is None else f", position {int(np.asarray(pos)[b, j])}"
+  raise ValueError(f"{where}: {name} holds {x[b, j, h][~finite[b, j, h]][0]} at batch row {b}, "
+                   f"cell {j}{at}, kv head {h}: an int8 cache cannot represent a non-finite value "
+                   f"(its per-(token, head) scale would be NaN or inf); "
+                   f"{int((~finite).any(-1).sum())} cell-head(s) affected")
 
 
 def _tail_layout(window_cells, capacity, tile_cells):
@@ -430,6 +467,9 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
   _check_positions(k_pos, (b, s), where, "k_pos")
 
   if dt == np.dtype(np.int8) and src_dt != dt:
+    # Construction reads every cell to the host anyway: refuse non-finite ones by name.
+    check_quantizable(where, "k", k, k_pos)
+    check_quantizable(where, "v", v, k_pos)
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
   elif dt != np.dtype(np.int8) and src_dt == np.dtype(np.int8):
     raise ValueError(f"{where}: int8 k/v cannot fill a {dt.name} cache; pass dtype=int8")
@@ -572,6 +612,9 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
   _check_positions(pos, (b, t), where, "pos", read_device=False)
   src_int8 = np.dtype(k.dtype) == np.dtype(np.int8)
   if kv.quantized and not src_int8:
+    for name, x in (("k", k), ("v", v)):
+      if validation.host_values(x) is not None:  # host cells only: no device read-back per step
+        check_quantizable(where, name, x, pos)
     (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
   elif not kv.quantized and src_int8:
     raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")
@@ -594,6 +637,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"append: kv must be a RollingKV, got {type(kv).__name__}")
+  check_live_parts(kv, "append")
   new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append")
   t = new.k.shape[1]
   w, tile = kv.window_cells, kv.tile_cells
@@ -646,38 +690,153 @@ def _cell_chunks(kv: RollingKV, name: str):
 
 
 def save(kv: RollingKV, directory: str) -> None:
-  """Writes the cache's cells (window and tail alike, in cell order) to ``directory``.
+  """Writes the cache's cells (window and tail alike, in cell order) to ``directory``, atomically.
 
   Files: ``k.bin, v.bin, pos.bin`` (+ ``k_scale.bin, v_scale.bin`` for int8), raw C-order
   ``[B,fill,...]``, and ``manifest.json`` (format name and version, dtype, W, capacity, tile,
-  fill, shapes, and the byte size and CRC-32 of each file). The manifest is written last and
-  atomically, so an interrupted save is not loadable.
+  fill, shapes, and the byte size and CRC-32 of each file).
+
+  Atomic: the save is written into a fresh temporary directory beside ``directory`` (a unique
+  name per save), fsynced, and only then put in place by one rename (an atomic exchange with the
+  previous save where Linux offers it). So ``directory`` always holds a complete save: the
+  previous one until the new one is complete, whatever fails or kills the writer meanwhile;
+  concurrent saves into one directory each install a whole save, the last one wins. A failed save
+  raises ``ValueError`` saying why and leaves the previous save as it was (a killed writer leaves
+  its ``.<name>.saving-*`` directory beside it). Because the whole directory is replaced, a
+  directory holding anything besides an rkv save is refused rather than emptied.
   """
   if not isinstance(kv, RollingKV):
     raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
-  os.makedirs(directory, exist_ok=True)
+  validation.check_live("save", "kv", kv)  # before anything is written
+  target = os.path.realpath(directory)
+  _check_replaceable(target, directory)
+  parent, base = os.path.split(target)
+  tmp = None
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
+    _write_save(kv, tmp)
+    _install(tmp, target)
+  except OSError as e:
+    raise ValueError(f"save: could not save the cache to {directory!r} ({e}); the previous save "
+                     f"there, if any, is unchanged") from e
+  finally:
+    if tmp is not None:  # the unfinished save, or the previous one after an exchange
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_file_names() -> set[str]:
+  # manifest.json.tmp: the temporary manifest of saves before atomic saving.
+  return {"manifest.json", "manifest.json.tmp"} | {f"{n}.bin" for n in _ARRAY_NAMES}
+
+
+def _check_replaceable(target: str, directory: str) -> None:
+  """``target`` is absent, or a directory holding nothing but an rkv save (it is replaced whole)."""
+  if not os.path.lexists(target):
+    return
+  if not os.path.isdir(target):
+    raise ValueError(f"save: directory {directory!r} exists and is not a directory")
+  foreign = sorted(set(os.listdir(target)) - _save_file_names())
+  if foreign:
+    raise ValueError(f"save: directory {directory!r} holds {foreign[:5]} besides an rkv save; a "
+                     f"save replaces the whole directory, so it refuses to delete them: save into "
+                     f"a new or empty directory")
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_save(kv: RollingKV, out: str) -> None:
+  """Every array file, then the manifest, into the fresh directory ``out``; all fsynced."""
   files = {}
   for name in _ARRAY_NAMES:
     block = getattr(kv.window, name)
     if block is None:
       continue
-    path = os.path.join(directory, f"{name}.bin")
     crc, nbytes = 0, 0
-    with open(path, "wb") as f:
+    with open(os.path.join(out, f"{name}.bin"), "xb") as f:
       for _, chunk in _cell_chunks(kv, name):
         data = np.ascontiguousarray(chunk).tobytes()
         crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
         f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
     files[name] = dict(file=f"{name}.bin", dtype=np.dtype(block.dtype).name,
                        shape=[kv.batch, kv.fill] + list(block.shape[2:]), bytes=nbytes, crc32=crc)
   manifest = dict(format=FORMAT, version=FORMAT_VERSION, dtype=np.dtype(kv.dtype).name,
                   window_cells=kv.window_cells, capacity=kv.capacity, tile_cells=kv.tile_cells,
                   fill=kv.fill, batch=kv.batch, num_kv_heads=kv.num_kv_heads,
                   head_dim=kv.head_dim, positions="pos.bin", arrays=files)
-  tmp = os.path.join(directory, "manifest.json.tmp")
-  with open(tmp, "w") as f:
+  with open(os.path.join(out, "manifest.json"), "x") as f:
     json.dump(manifest, f, indent=1)
-  os.replace(tmp, os.path.join(directory, "manifest.json"))
+    f.flush()
+    os.fsync(f.fileno())
+  os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700; a save is as readable as any new dir
+  _fsync_dir(out)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps the directories ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+  False where that is not available (another OS, an old libc, a filesystem that refuses it)."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                        ctypes.c_uint]
+  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), b)
+
+
+def _install(tmp: str, target: str) -> None:
+  """Puts the finished save ``tmp`` at ``target`` in one atomic step; afterwards ``tmp`` is gone
+  or holds the previous save (the caller removes it)."""
+  for _ in range(8):  # concurrent savers may move target between the steps: try again
+    try:
+      os.rename(tmp, target)  # target absent, or an empty directory (POSIX replaces it)
+      break
+    except OSError as e:
+      if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+        raise
+    try:
+      if _exchange(tmp, target):
+        break
+    except FileNotFoundError:
+      continue  # another saver moved target away: the plain rename may work now
+    # No atomic exchange here: move the previous save aside first. A crash between the two
+    # renames leaves it in the aside directory, not at target.
+    aside = tmp + ".previous"
+    try:
+      os.rename(target, aside)
+    except FileNotFoundError:
+      continue
+    os.rename(tmp, target)
+    os.rename(aside, tmp)  # the caller removes it
+    break
+  else:
+    raise OSError(errno.EBUSY, "other saves kept replacing it", target)
+  _fsync_dir(os.path.dirname(target))
 
 
 def _file_crc(path: str, chunk: int = 1 << 26) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 
 from rkv import planner
 from rkv import tactics
+from rkv import validation
 from rkv.cache import RollingKV
 from rkv.head_split import HeadSplitKV, check_heads
 from rkv.models.kv import ROLLING_TACTICS, LayerCache, ResidentCache, RingCache
@@ -220,6 +221,9 @@ def _check_caches(where, model, caches):
   if len(caches) != model.config.num_layers:
     raise ValueError(f"{where}: caches must hold one cache per layer ({model.config.num_layers}),"
                      f" got {len(caches)}")
+  # Caches are donated by every step: ones an earlier call consumed are refused up front.
+  for i, c in enumerate(caches):
+    validation.check_live(where, f"caches[{i}]", c)
   for i, c in enumerate(caches):
     if not isinstance(c, LayerCache):
       raise ValueError(f"caches: unsupported cache type {type(c).__name__} (layer {i}): a cache "
@@ -227,7 +231,8 @@ def _check_caches(where, model, caches):
   return caches
 
 
-def _check_tokens(where, name, tokens, min_len=1):
+def _check_tokens(where, name, tokens, vocab_size, min_len=1):
+  validation.check_token_ids(where, name, tokens, vocab_size)  # -1 would act as id V-1
   tokens = np.asarray(tokens)
   if tokens.ndim == 1:
     tokens = tokens[None]
@@ -304,7 +309,7 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
   ``forward``: a :func:`rkv.models.jit_forward` (``last_only=True``) to reuse across calls
   (all-resident caches only). The caches passed in are donated: use the returned ones."""
   where = "prefill"
-  tokens = _check_tokens(where, "tokens", tokens)
+  tokens = _check_tokens(where, "tokens", tokens, model.config.vocab_size)
   caches = _check_caches(where, model, caches)
   _check_chunk(where, chunk)
   room, fill = _cache_room(caches)
@@ -390,7 +395,7 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   0) as soon as they exist; a true return value ends the run after that token.
   """
   where = "generate"
-  prompt = _check_tokens(where, "prompt_tokens", prompt_tokens)
+  prompt = _check_tokens(where, "prompt_tokens", prompt_tokens, model.config.vocab_size)
   caches = _check_caches(where, model, caches)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
     raise ValueError(f"{where}: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -472,7 +477,7 @@ def decode_logits(model, tokens, caches, *, prefill_len: int, chunk: int = DEFAU
   returns the logits of those incremental steps, ``[B, T - prefill_len, V]`` float32 — what a
   full forward gives at positions ``prefill_len .. T-1`` if decoding is exact."""
   where = "decode_logits"
-  tokens = _check_tokens(where, "tokens", tokens, min_len=2)
+  tokens = _check_tokens(where, "tokens", tokens, model.config.vocab_size, min_len=2)
   caches = _check_caches(where, model, caches)
   b, t = tokens.shape
   if not isinstance(prefill_len, (int, np.integer)) or not 1 <= prefill_len < t:

@@ -166,6 +166,7 @@ def _resolve(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, sche
   """Validates one call; returns (q_pos, static kwargs of the schedules)."""
   if not isinstance(kv, cache_lib.RollingKV):
     raise ValueError(f"{where}: kv must be a rkv.RollingKV, got {type(kv).__name__}")
+  cache_lib.check_live_parts(kv, where)
   validation.check_choice(where, "tactic", tactic, TACTICS)
   if tactic == "head":
     raise ValueError(f"{where}: tactic='head' needs kv to be a rkv.head_split.HeadSplitKV "
@@ -179,7 +180,7 @@ def _resolve(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, sche
   w = kv.window
   args = validation.attention_args(q, w.k, w.v, q_pos=q_pos, k_pos=w.pos, k_scale=w.k_scale,
                                    v_scale=w.v_scale, window=window, softcap=softcap, scale=scale,
-                                   where=where)
+                                   causal=causal, where=where)
   static = dict(use_window=kv.window_cells > 0 and kv.fill > 0, use_staging=kv.n_staged > 0,
                 causal=causal, window=window, softcap=softcap, scale=args.scale, impl=impl,
                 lookahead=lookahead)

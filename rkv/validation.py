@@ -10,6 +10,7 @@ Glossary: B batch, T query length, S key/value length, H query heads, K kv heads
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,8 @@ def _as_int32(x):
 
 
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                   window=None, softcap=None, scale=None, where: str = "attention") -> AttentionArgs:
+                   window=None, softcap=None, scale=None, causal=True,
+                   where: str = "attention") -> AttentionArgs:
   """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
 
   ``k_scale``/``v_scale`` (``[B,S,K]`` float) must be given exactly when K/V are int8.
@@ -115,28 +117,110 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   for name, pos, want in (("q_pos", q_pos, (b, t)), ("k_pos", k_pos, (b, s))):
     if _shape(pos) != want:
       raise ValueError(f"{where}: {name} must have shape {want}, got {_shape(pos)}")
+    check_positions_int32(where, name, pos)  # first: jnp cannot even hold such a list
     pos_dtype = _dtype(pos)
     if not jnp.issubdtype(pos_dtype, jnp.integer):
       raise ValueError(f"{where}: {name} must be an integer array, got {pos_dtype}")
   q_pos, k_pos = _as_int32(q_pos), _as_int32(k_pos)
 
-  scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d)
+  scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d,
+                            causal=causal)
   return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=scale, batch=b, q_len=t, kv_len=s,
                        num_heads=h, num_kv_heads=kh, head_dim=d)
 
 
-def attention_options(where: str, *, window, softcap, scale, head_dim: int) -> float:
-  """Checks ``window``/``softcap``/``scale``; returns the scale (``D**-0.5`` by default)."""
+def _positive_finite(x) -> bool:
+  # inf passed ``x > 0``: scale=inf makes every logit inf or NaN, softcap=inf gives inf * 0 = NaN.
+  try:
+    return math.isfinite(float(x)) and float(x) > 0 and not isinstance(x, bool)
+  except (TypeError, ValueError):
+    return False
+
+
+def check_causal(where: str, causal) -> None:
+  # causal="no" is truthy: it used to run causal attention silently.
+  if not isinstance(causal, (bool, np.bool_)):
+    raise ValueError(f"{where}: causal must be a bool, got {causal!r}")
+
+
+def attention_options(where: str, *, window, softcap, scale, head_dim: int,
+                      causal=True) -> float:
+  """Checks ``causal``/``window``/``softcap``/``scale``; returns the scale (``D**-0.5`` by
+  default)."""
+  check_causal(where, causal)
   if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool)
                              or window < 1):
     raise ValueError(f"{where}: window must be None or a positive int, got {window!r}")
-  if softcap is not None and not (float(softcap) > 0):
-    raise ValueError(f"{where}: softcap must be None or > 0, got {softcap!r}")
+  if softcap is not None and not _positive_finite(softcap):
+    raise ValueError(f"{where}: softcap must be None or a finite number > 0, got {softcap!r}")
   if scale is None:
     return float(head_dim) ** -0.5
-  if not (float(scale) > 0):
-    raise ValueError(f"{where}: scale must be > 0, got {scale!r}")
+  if not _positive_finite(scale):
+    raise ValueError(f"{where}: scale must be a finite number > 0, got {scale!r}")
   return float(scale)
+
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+STALE_HINT = "use the cache returned by the last append"
+
+
+def host_values(x) -> np.ndarray | None:
+  """``x`` as numpy when it is host data (numpy, lists, Python ints), else None.
+
+  jax arrays and tracers give None: reading a device value back is a host sync (one per layer
+  and token stalls the decode loop), and a jax array cannot hold an integer beyond int32 anyway
+  (x64 is off), so range checks only ever need the host values."""
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
+    return None
+  try:
+    return np.asarray(x)
+  except (TypeError, ValueError, OverflowError):
+    return None  # not array-like: the dtype/shape checks that follow name it
+
+
+def check_int_range(where: str, name: str, x, lo: int, hi: int, meaning: str) -> None:
+  """ValueError naming ``name`` if host integers ``x`` leave ``[lo, hi]`` (jax arrays: skipped,
+  see :func:`host_values`). Without it an int64 position beyond int32 wraps to another position
+  on the cast and a token id -1 indexes the last row of the embedding."""
+  values = host_values(x)
+  if values is None or values.size == 0:
+    return
+  if values.dtype == object:
+    # Python ints beyond int64 make an object array; anything else in it is the dtype check's.
+    if not all(isinstance(e, (int, np.integer)) and not isinstance(e, bool)
+               for e in values.ravel()):
+      return
+  elif not np.issubdtype(values.dtype, np.integer):
+    return  # a float array: the dtype check names it
+  vmin, vmax = int(values.min()), int(values.max())
+  if vmin < lo or vmax > hi:
+    raise ValueError(f"{where}: {name} values must be in [{lo}, {hi}] ({meaning}), got range "
+                     f"[{vmin}, {vmax}]")
+
+
+def check_positions_int32(where: str, name: str, pos) -> None:
+  """Positions are int32 (docs/DESIGN.md §2): a host value beyond int32 would wrap."""
+  check_int_range(where, name, pos, INT32_MIN, INT32_MAX, "positions are int32")
+
+
+def check_token_ids(where: str, name: str, tokens, vocab_size: int) -> None:
+  """Token ids index the embedding: each must be in ``[0, vocab_size)``."""
+  check_int_range(where, name, tokens, 0, vocab_size - 1, f"the vocabulary has {vocab_size} ids")
+
+
+def check_not_deleted(where: str, name: str, x) -> None:
+  """ValueError if the jax array ``x`` was deleted or donated (``append`` donates the window and
+  staging it writes), instead of jax's "Array has been deleted" from deep inside a call."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+    raise ValueError(f"{where}: {name} was deleted or donated ({STALE_HINT})")
+
+
+def check_live(where: str, name: str, tree) -> None:
+  """:func:`check_not_deleted` for every array of a cache (or any pytree). The decode-path
+  callers pass only the parts ``append`` donates (window, staging): a few arrays, whatever the
+  tail holds; save and generate pass whole caches."""
+  for x in jax.tree.leaves(tree):
+    check_not_deleted(where, name, x)
 
 
 def check_choice(where: str, name: str, value, choices) -> None:

@@ -369,3 +369,80 @@ def test_probes_run():
   for dtype in ("bfloat16", "int8"):
     assert ca.measure_cpu_attention(2048, num_kv_heads=2, head_dim=64, dtype=dtype, repeats=1,
                                     tile_cells=512) > 0
+
+
+@pytest.mark.parametrize("name", ["q_pos", "k_pos"])
+def test_positions_beyond_int32_are_refused(name):
+  # They used to wrap on the kernel's int32 cast: 2**32 + 3 read as position 3.
+  q, k, v, _, _ = _data(1, 1, 4, 2, 16, 9)
+  pos = dict(q_pos=np.array([[8 + 2**32]]), k_pos=np.arange(9)[None] + 2**32)
+  with pytest.raises(ValueError, match=f"{name} values must be in"):
+    ca.cpu_attention(q, k, v, **{name: pos[name]})
+
+
+# ----------------------------------------------------------------------------------------------
+# The build cache trusts nothing it cannot verify (issue 13)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def empty_build_cache(tmp_path, monkeypatch):
+  """An empty $RKV_CACHE_DIR whose 'compiler' copies the library this session already built (a
+  real compile takes ~20 s on the shared box); returns (cached path, good bytes)."""
+  good = open(cpu_build.library_path(), "rb").read()
+  monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path / "cache"))
+  monkeypatch.delenv(cpu_build.SO_ENV, raising=False)
+  builds = []
+  def fake_compile(cc, out):
+    builds.append(out)
+    with open(out, "wb") as f:
+      f.write(good)
+  monkeypatch.setattr(cpu_build, "_compile", fake_compile)
+  path = cpu_build._cached_path()
+  os.makedirs(os.path.dirname(path))
+  return path, good, builds
+
+
+@pytest.mark.parametrize("corrupt,why", [
+    (lambda good: b"junk" * 100, "not an ELF file"),
+    (lambda good: good[:len(good) // 2], "truncated"),
+    (lambda good: good[:-1] + bytes([good[-1] ^ 1]), "differ from the SHA-256"),
+], ids=["junk", "truncated", "one_byte_flipped"])
+def test_bad_cached_library_is_rebuilt_not_loaded(empty_build_cache, corrupt, why):
+  # Before: any file at the cache path was loaded forever; a truncated one died with SIGBUS.
+  path, good, builds = empty_build_cache
+  assert cpu_build.library_path() == path and len(builds) == 1  # first build: nothing to warn
+  with open(path, "wb") as f:
+    f.write(corrupt(good))
+  with pytest.warns(UserWarning, match=f"cached build .* is not usable \\(.*{why}"):
+    assert cpu_build.library_path() == path
+  assert len(builds) == 2 and open(path, "rb").read() == good
+  assert cpu_build.cached_build_problem(path) is None
+
+
+def test_truncated_prebuilt_library_is_refused(tmp_path, monkeypatch):
+  good = open(cpu_build.library_path(), "rb").read()
+  so = tmp_path / cpu_build.LIB_NAME
+  so.write_bytes(good[:len(good) // 3])
+  monkeypatch.setenv(cpu_build.SO_ENV, str(so))
+  with pytest.raises(ValueError, match=f"{cpu_build.SO_ENV}=.* is not a usable library: truncated"):
+    cpu_build.library_path()
+  assert cpu_build.kernel_available()[0] is False
+
+
+def test_hanging_compiler_times_out(tmp_path, monkeypatch):
+  import time
+  cc = tmp_path / "cc"
+  cc.write_text("#!/bin/sh\nsleep 120\n")
+  cc.chmod(0o755)
+  monkeypatch.setenv("CC", str(cc))
+  monkeypatch.setenv(cpu_build.TIMEOUT_ENV, "0.5")
+  t0 = time.perf_counter()
+  with pytest.raises(RuntimeError, match="did not finish within 0.5 s"):
+    cpu_build.compile_library(str(tmp_path / "out" / "lib.so"))
+  assert time.perf_counter() - t0 < 30
+  assert os.listdir(tmp_path / "out") == []  # nothing half-written left behind
+
+
+def test_cc_pointing_nowhere_is_an_error(monkeypatch):
+  monkeypatch.setenv("CC", "/nonexistent/rkv-cc")  # PATH still has a compiler: CC must win
+  with pytest.raises(cpu_build.CompilerNotFoundError, match=r"\$CC='/nonexistent/rkv-cc' is not"):
+    cpu_build.find_compiler()

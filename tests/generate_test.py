@@ -107,6 +107,20 @@ def test_bad_inputs_name_the_argument(llama):
     gen.decode_logits(model, tokens, caches(), prefill_len=0)
   with pytest.raises(ValueError, match="chunk"):
     gen.prefill(model, tokens, caches(), chunk=0)
+  # Token ids outside [0, V): -1 used to act as id V-1, V+3 to be clamped by the gather.
+  for bad in (-1, cfg.vocab_size, 2**40):
+    prompt = np.array(tokens[:, :P], np.int64)
+    prompt[1, 4] = bad
+    with pytest.raises(ValueError, match=r"prompt_tokens values must be in \[0, "):
+      gen.generate(model, prompt, max_new_tokens=2, caches=caches())
+    with pytest.raises(ValueError, match="tokens values"):
+      gen.prefill(model, prompt, caches())
+    with pytest.raises(ValueError, match="tokens values"):
+      gen.decode_logits(model, prompt, caches(), prefill_len=3)
+    with pytest.raises(ValueError, match="tokens values"):
+      model(prompt)
+  with pytest.raises(ValueError, match="positions values"):
+    model(tokens[:, :2], np.array([[0, 2**31]] * 2, np.int64))
   plan = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
   with pytest.raises(ValueError, match="'bogus' is unknown"):
     gen.caches_from_plan(cfg, _with_layers(gen.force_stream(plan, 5, 3), tactic="bogus"), 2, 32)

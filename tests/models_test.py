@@ -162,6 +162,8 @@ def test_fixture_configs_cover_the_features():
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(activation="relu"), "activation must be one of"),
     (dict(head_dim=15), "head_dim must be even"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number >= 0"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number >= 0"),
 ])
 def test_config_validation(change, match):
   with pytest.raises(ValueError, match=match):

@@ -53,10 +53,13 @@ def attention(q, k, v, q_pos=None, k_pos=None, *, causal=True, window=None, soft
   mx_safe = np.where(np.isfinite(mx), mx, 0.0)
   p = np.where(m4, np.exp(logits - mx_safe), 0.0)
   den = p.sum(-1, keepdims=True)
-  o = np.einsum("bhts,bshd->bthd", p / np.where(den > 0, den, 1.0), vx)
-  with np.errstate(divide="ignore"):
+  # A row saw a key iff its weights do not sum to exactly 0; a NaN it read (q, or a visible K/V
+  # cell) makes den NaN, and NaN != 0, so the NaN reaches o and lse (docs/DESIGN.md §3).
+  seen = den != 0
+  o = np.einsum("bhts,bshd->bthd", p / np.where(seen, den, 1.0), vx)
+  with np.errstate(divide="ignore", invalid="ignore"):
     lse = (np.log(den) + mx_safe)[..., 0]  # [B,H,T]
-  lse = np.where(den[..., 0] > 0, lse, -np.inf)
+  lse = np.where(seen[..., 0], lse, -np.inf)
   return o, np.transpose(lse, (0, 2, 1))
 
 
@@ -64,6 +67,7 @@ def quantize_int8(x):
   """Symmetric int8 per (token, head): x [B,S,K,D] -> (int8 [B,S,K,D], scale [B,S,K] float32)."""
   x = np.asarray(x, np.float32)
   amax = np.abs(x).max(-1)
-  scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+  with np.errstate(invalid="ignore"):  # a non-finite row keeps a non-finite scale (rkv refuses it)
+    scale = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float32)
   q = np.clip(np.round(x / scale[..., None]), -127, 127).astype(np.int8)
   return q, scale

@@ -698,3 +698,20 @@ def test_the_plan_stores_the_hybrid_split_as_the_cpu_share_it_is_used_as():
     assert lp.cpu_fraction is not None and 0 < lp.cpu_fraction < 1
     assert lp.hybrid_fraction == pytest.approx(1 - lp.cpu_fraction)  # the old, streamed name
   assert "cpu_f" in p.table()
+
+
+def test_planner_without_the_cpu_kernel_leaves_cpu_and_hybrid_out(monkeypatch):
+  # Before: with no compiler the planner still chose cpu/hybrid and the run failed after the
+  # plan printed. The profile of the synthetic selector test that picks "cpu".
+  from rkv.offload import cpu_build
+  monkeypatch.setattr(cpu_build, "kernel_available", lambda: (False, "no C compiler found"))
+  prof = dataclasses.replace(FLAT, pcie_gbps=0.5, cpu_attn_gbps=50.0)
+  with pytest.warns(UserWarning, match="CPU-tail kernel is not available.*cpu and hybrid"):
+    p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof))
+  assert p.tactics() == ("stream", "stream")
+  for mode in ("cpu", "hybrid"):
+    with pytest.raises(ValueError, match=f"mode='{mode}' needs the CPU-tail kernel.*no C compiler"):
+      rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof, mode=mode))
+  # A plan for another machine does not ask this one.
+  p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof, check_free=False))
+  assert p.tactics() == ("cpu", "cpu")

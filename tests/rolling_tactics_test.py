@@ -334,3 +334,53 @@ def test_cpu_tactics_leave_a_core_by_default(small, monkeypatch):
     monkeypatch.setenv(cpu_lib.TAIL_THREADS_ENV, bad)
     with pytest.raises(ValueError, match=cpu_lib.TAIL_THREADS_ENV):
       cpu_lib.tail_threads()
+
+
+# (tactic, extra kwargs, resident_heads): every way a tail is attended, "stream" in both schedules.
+NAN_TACTICS = [("stream", dict(schedule="eager"), None), ("stream", dict(schedule="unrolled"), None),
+               ("cpu", {}, None), ("hybrid", dict(cpu_fraction=0.5), None), ("head", {}, 1)]
+
+
+@pytest.mark.parametrize("config", NAN_TACTICS,
+                         ids=["stream_eager", "stream_unrolled", "cpu", "hybrid", "head_R1"])
+@pytest.mark.parametrize("cell,field", [(5, "k"), (25, "k"), (60, "v"), (70, "k")],
+                         ids=["window_k", "first_tile_k", "last_tile_v", "staging_v"])
+def test_nan_in_a_visible_cell_propagates(config, cell, field):
+  # W=20, tile 16: cells [20,36), [36,52), [52,68) are tail tiles, [68,75) staged. The NaN cell is
+  # visible to every query; holes elsewhere hold NaN and must stay quiet. Before the fix the tile
+  # (or part) holding the NaN silently dropped out of the merge.
+  tactic, extra, r = config
+  case = Case("nan", t=2, positions="holes", **K2)
+  q, k, v, q_pos, k_pos, _, _ = make(case)
+  k_pos[:, cell] = cell
+  k, v = np.array(k), np.array(v)
+  (k if field == "k" else v)[0, cell, 1, 3] = np.nan
+  kv = build(tactic, r, k, v, window_cells=case.window_cells, tile=case.tile, k_pos=k_pos)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", q_pos=q_pos, **extra)
+  o_ref, lse_ref = rkv.attention(q, k, v, k_pos=k_pos, q_pos=q_pos, impl="reference")
+  o, lse, o_ref, lse_ref = (np.asarray(x, np.float32) for x in (o, lse, o_ref, lse_ref))
+  assert np.isnan(o_ref).any()
+  np.testing.assert_array_equal(np.isnan(o), np.isnan(o_ref))
+  np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+  ok = ~np.isnan(o_ref)
+  tol = TOLERANCES["float32"]
+  np.testing.assert_allclose(o[ok], o_ref[ok], atol=tol["o"][0], rtol=tol["o"][1])
+
+
+@pytest.mark.parametrize("tactic", ["stream", "cpu", "hybrid"])
+def test_degenerate_inputs_agree_across_tactics(tactic):
+  # An empty cache: o = 0, lse = -inf on every tactic; bad options: the same ValueError.
+  kv = rkv.RollingKV.empty(1, 32, 2, 16, window_cells=8, tile_cells=8, dtype=jnp.float32)
+  q = jnp.ones((1, 1, 4, 16), jnp.float32)
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", q_pos=np.zeros((1, 1), np.int32))
+  assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+  kv = rkv.RollingKV.from_arrays(*(np.ones((1, 20, 2, 16), np.float32),) * 2, window_cells=4,
+                                 tile_cells=8)
+  for bad, match in ((dict(scale=float("inf")), "scale must be a finite"),
+                     (dict(softcap=float("inf")), "softcap must be None or a finite"),
+                     (dict(causal="no"), "causal must be a bool")):
+    with pytest.raises(ValueError, match=match):
+      rkv.rolling_attention(q, kv, tactic=tactic, impl="xla", **bad)
+    with pytest.raises(ValueError, match=match):
+      cpu_lib.cpu_attention(np.ones((1, 1, 4, 16), np.float32), np.ones((1, 9, 2, 16), np.float32),
+                            np.ones((1, 9, 2, 16), np.float32), **bad)

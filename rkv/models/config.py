@@ -187,6 +187,11 @@ class ModelConfig:
       raise _err(where, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
     if self.family not in FAMILIES:
       raise _err(where, f"family must be one of {FAMILIES}, got {self.family!r}")
+    eps = self.rms_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) \
+        or not (0 <= float(eps) < float("inf")):
+      # A negative eps makes mean(x^2) + eps negative for small x: NaN from the rsqrt.
+      raise _err(where, f"rms_norm_eps must be a finite number >= 0, got {eps!r}")
     for f in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
       v = getattr(self, f)
       if v is not None and not float(v) > 0:

@@ -58,8 +58,71 @@ _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 # ----------------------------------------------------------------------------------------------
 # safetensors
 # ----------------------------------------------------------------------------------------------
+def _parse_json(raw: bytes, where: str, what: str):
+  """``raw`` as UTF-8 JSON, or a ValueError saying which part of which file is not."""
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{where}: {what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                     f"{e.start})") from None
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{where}: {what} is not valid JSON ({e})") from None
+
+
+def _read_json_file(path: str, where: str, what: str):
+  with open(path, "rb") as f:
+    return _parse_json(f.read(), where, what)
+
+
+def _tensor_entry(where: str, name: str, info, data_bytes: int) -> tuple[np.dtype, tuple, int, int]:
+  """One header entry checked field by field: ``(dtype, shape, lo, hi)`` with the byte range
+  ``[lo, hi)`` inside the data section and exactly the size dtype and shape declare."""
+  if not isinstance(info, dict):
+    raise ValueError(f"{where}: tensor {name!r}: header entry must be an object with dtype, shape "
+                     f"and data_offsets, got {type(info).__name__}")
+  missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+  if missing:
+    raise ValueError(f"{where}: tensor {name!r}: header entry is missing {missing}")
+  dt = _ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+  if dt is None:
+    raise ValueError(f"{where}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+  shape, offsets = info["shape"], info["data_offsets"]
+  is_int = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
+  if not isinstance(shape, list) or not all(is_int(x) for x in shape):
+    raise ValueError(f"{where}: tensor {name!r}: shape must be a list of non-negative ints, got "
+                     f"{shape!r}")
+  if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(x) for x in offsets):
+    raise ValueError(f"{where}: tensor {name!r}: data_offsets must be [begin, end] non-negative "
+                     f"ints, got {offsets!r}")
+  lo, hi = offsets
+  want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+  if not lo <= hi <= data_bytes or hi - lo != want:
+    raise ValueError(f"{where}: tensor {name!r} offsets [{lo}, {hi}) do not hold "
+                     f"{tuple(shape)} {info['dtype']} ({want} bytes) in a {data_bytes}-byte data "
+                     f"section")
+  return np.dtype(dt), tuple(shape), lo, hi
+
+
+def _check_disjoint(where: str, ranges: dict[str, tuple[int, int]]) -> None:
+  """Tensors may not share bytes: overlapping ranges mean a corrupt or hand-edited header."""
+  prev_name, prev_hi = None, 0
+  for name, (lo, hi) in sorted(ranges.items(), key=lambda kv: kv[1]):
+    if lo == hi:
+      continue  # an empty tensor holds no bytes
+    if lo < prev_hi:
+      raise ValueError(f"{where}: tensors {prev_name!r} and {name!r} overlap (bytes {lo} to "
+                       f"{prev_hi} belong to both)")
+    prev_name, prev_hi = name, hi
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """``{name: array}`` of one safetensors file, each a read-only memmap view (no copy)."""
+  """``{name: array}`` of one safetensors file, each a read-only memmap view (no copy).
+
+  A malformed file (short, a header that is not UTF-8 JSON or not an object, an entry missing a
+  field or of the wrong type, a byte range that disagrees with its dtype and shape or overlaps
+  another tensor's) raises ``ValueError`` naming the file and what is wrong."""
   where = f"read_safetensors({path})"
   if not os.path.isfile(path):
     raise ValueError(f"{where}: no such file")
@@ -71,27 +134,19 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     n = int.from_bytes(raw, "little")
     if n > min(size - 8, _MAX_HEADER):
       raise ValueError(f"{where}: header length {n} does not fit the {size}-byte file")
-    try:
-      header = json.loads(f.read(n))
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: header is not JSON ({e})") from None
+    header = _parse_json(f.read(n), where, "header")
+  if not isinstance(header, dict):
+    raise ValueError(f"{where}: header must be a JSON object of tensors, got "
+                     f"{type(header).__name__}")
   header.pop("__metadata__", None)
   base = 8 + n
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=base, shape=(size - base,)) \
       if size > base else np.zeros((0,), np.uint8)
-  out = {}
-  for name, info in header.items():
-    dt = _ST_DTYPES.get(info.get("dtype"))
-    if dt is None:
-      raise ValueError(f"{where}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-    shape = tuple(int(s) for s in info["shape"])
-    lo, hi = (int(x) for x in info["data_offsets"])
-    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-    if not 0 <= lo <= hi <= data.shape[0] or hi - lo != want:
-      raise ValueError(f"{where}: tensor {name!r} offsets [{lo}, {hi}) do not hold "
-                       f"{shape} {info['dtype']} in a {data.shape[0]}-byte data section")
-    out[name] = data[lo:hi].view(dt).reshape(shape)
-  return out
+  entries = {name: _tensor_entry(where, name, info, data.shape[0])
+             for name, info in header.items()}
+  _check_disjoint(where, {name: (lo, hi) for name, (_, _, lo, hi) in entries.items()})
+  return {name: data[lo:hi].view(dt).reshape(shape)
+          for name, (dt, shape, lo, hi) in entries.items()}
 
 
 def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
@@ -121,11 +176,7 @@ def checkpoint_files(path: str) -> list[str]:
   where = f"load_hf({path})"
   index = os.path.join(path, INDEX_FILE)
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map") or {}
-    files = sorted(set(weight_map.values()))
-    if not files:
-      raise ValueError(f"{where}: {INDEX_FILE} has an empty weight_map")
+    files = _index_shards(_read_json_file(index, where, INDEX_FILE), where)
     missing = [x for x in files if not os.path.isfile(os.path.join(path, x))]
     if missing:
       raise ValueError(f"{where}: shards listed in {INDEX_FILE} are missing: {missing}")
@@ -139,6 +190,25 @@ def checkpoint_files(path: str) -> list[str]:
     raise ValueError(f"{where}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} (or any "
                      f"*.safetensors){hint}")
   return [os.path.join(path, x) for x in found]
+
+
+def _index_shards(index, where: str) -> list[str]:
+  """The shard file names of a parsed ``model.safetensors.index.json``: a ``weight_map`` object
+  of tensor name -> plain file name in the folder."""
+  if not isinstance(index, dict):
+    raise ValueError(f"{where}: {INDEX_FILE} must be a JSON object with a weight_map, got "
+                     f"{type(index).__name__}")
+  weight_map = index.get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(f"{where}: {INDEX_FILE} needs a weight_map object (tensor name -> shard "
+                     f"file), got {type(weight_map).__name__}")
+  if not weight_map:
+    raise ValueError(f"{where}: {INDEX_FILE} has an empty weight_map")
+  for name, file in weight_map.items():
+    if not isinstance(file, str) or not file or os.path.basename(file) != file:
+      raise ValueError(f"{where}: {INDEX_FILE} maps tensor {name!r} to {file!r}: expected the "
+                       f"name of a shard file in the folder")
+  return sorted(set(weight_map.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,11 +228,10 @@ def load_config(path: str, *, dtype=None) -> ModelConfig:
   cfg_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(cfg_path):
     raise ValueError(f"load_hf({path}): missing {CONFIG_FILE}")
-  with open(cfg_path) as f:
-    try:
-      d = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"load_hf({path}): {CONFIG_FILE} is not valid JSON ({e})") from None
+  d = _read_json_file(cfg_path, f"load_hf({path})", CONFIG_FILE)
+  if not isinstance(d, dict):
+    raise ValueError(f"load_hf({path}): {CONFIG_FILE} must be a JSON object, got "
+                     f"{type(d).__name__}")
   return ModelConfig.from_hf(d, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
 
 
@@ -206,6 +275,18 @@ def _set(tree: dict, path: tuple, value):
   tree[path[-1]] = value
 
 
+def _check_layer_count(where: str, config: ModelConfig, prefix: str, tensors) -> None:
+  """A config with fewer layers than the checkpoint would load a truncated model silently."""
+  head = f"{prefix}layers."
+  found = {int(n[len(head):].split(".", 1)[0]) for n in tensors
+           if n.startswith(head) and n[len(head):].split(".", 1)[0].isdigit()}
+  extra = sorted(i for i in found if i >= config.num_layers)
+  if extra:
+    raise ValueError(f"{where}: {CONFIG_FILE} has num_hidden_layers={config.num_layers} but the "
+                     f"checkpoint holds layers up to {max(found)} ({len(extra)} layer(s) would be "
+                     f"ignored): the config does not match the weights")
+
+
 def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
   """A :class:`~rkv.models.Transformer` with the weights of a local HF checkpoint folder.
 
@@ -229,6 +310,7 @@ def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
   if not config.tie_embeddings:
     head = next((h for h in _HEAD_NAMES if h in tensors), _HEAD_NAMES[0])
     mapping = [(head if n == "lm_head.weight" else n, p, t) for n, p, t in mapping]
+  _check_layer_count(where, config, prefix, tensors)
   missing = [n for n, _, _ in mapping if n not in tensors]
   if missing:
     more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -241,6 +241,9 @@ class Transformer(nnx.Module):
     ValueError naming what is wrong. ``positions`` None: ``0..T-1``, or with caches the first
     cache's next position onwards."""
     cfg = self.config
+    # Host values only (validation.host_values): no device read-back in the decode loop.
+    validation.check_token_ids(where, "tokens", tokens, cfg.vocab_size)
+    validation.check_positions_int32(where, "positions", positions)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"{where}: tokens must be an int array [B,T], got {tokens.dtype} "

@@ -174,9 +174,7 @@ def host_buffer(x, *, name: str = "x", where: str = "host_buffer") -> HostBuffer
   array, a sharded one, or a non-row-major layout.
   """
   if isinstance(x, jax.Array):
-    if x.is_deleted():
-      raise ValueError(f"{where}: {name} was deleted or donated (use the cache returned by the "
-                       f"last append)")
+    validation.check_not_deleted(where, name, x)
     devices = x.sharding.device_set
     if len(devices) != 1:
       raise ValueError(f"{where}: {name} must be a single-device array, got {len(devices)} devices")
@@ -318,6 +316,7 @@ def _check_int(value, name: str, where: str, *, allow_none: bool = True) -> None
 
 def _positions_to_host(x):
   """Positions live on the device in the cache (4 bytes a cell): one copy to numpy, int32."""
+  validation.check_positions_int32("cpu_attention", "k_pos", x)  # host values would wrap
   a = np.asarray(x)
   if not np.issubdtype(a.dtype, np.integer):
     raise ValueError(f"k_pos must be an integer array, got {a.dtype}")
@@ -383,7 +382,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got k dtype {kdt}")
   # --- options ---
   scale = validation.attention_options(where, window=window, softcap=softcap, scale=scale,
-                                       head_dim=d)
+                                       head_dim=d, causal=causal)
   _check_int(num_threads, "num_threads", where)
   _check_int(chunk, "chunk", where)
   # --- positions ---
@@ -391,6 +390,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     k_pos = np.broadcast_to(np.arange(s_total, dtype=np.int32), (b, s_total))
   if q_pos is None:
     q_pos = np.broadcast_to(np.arange(t, dtype=np.int32) + (s_total - t), (b, t))
+  validation.check_positions_int32(where, "q_pos", q_pos)  # before the int32 cast would wrap it
   q_pos = np.asarray(q_pos)
   if not np.issubdtype(q_pos.dtype, np.integer):
     raise ValueError(f"{where}: q_pos must be an integer array, got {q_pos.dtype}")

@@ -37,6 +37,8 @@ LIB_NAME = "librkv_cpu_kernel.so"
 SO_ENV = "RKV_CPU_KERNEL_SO"
 CACHE_ENV = "RKV_CACHE_DIR"
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+TIMEOUT_ENV = "RKV_CC_TIMEOUT_S"
+DEFAULT_COMPILE_TIMEOUT_S = 300.0
 _BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wall")
 
 
@@ -51,15 +53,42 @@ def arch_flags() -> tuple[str, ...]:
   return ()
 
 
+_PREBUILD_HINT = (f"build the library on another machine of the same architecture with `python -m "
+                  f"rkv.offload.cpu_build --out DIR` and set {SO_ENV}=DIR/{LIB_NAME}")
+
+
 def find_compiler() -> str:
-  for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-    if cand and shutil.which(cand):
+  """``$CC`` if set (it must exist: a CC pointing nowhere used to be skipped silently), else the
+  first of cc, gcc, clang on PATH."""
+  cc = os.environ.get("CC")
+  if cc:
+    if not shutil.which(cc):
+      raise CompilerNotFoundError(
+          f"rkv CPU-tail kernel: $CC={cc!r} is not an executable on PATH. Point CC at a C "
+          f"compiler, unset it to use cc/gcc/clang, or {_PREBUILD_HINT}.")
+    return shutil.which(cc)
+  for cand in ("cc", "gcc", "clang"):
+    if shutil.which(cand):
       return shutil.which(cand)
   raise CompilerNotFoundError(
       "rkv CPU-tail kernel: no C compiler found ($CC, cc, gcc, clang) to build "
-      f"{SOURCE}. Either install one (e.g. `apt-get install gcc`), or build the library on "
-      f"another machine of the same architecture with `python -m rkv.offload.cpu_build --out DIR`"
-      f" and set {SO_ENV}=DIR/{LIB_NAME} before using the cpu tactic.")
+      f"{SOURCE}. Either install one (e.g. `apt-get install gcc`), or {_PREBUILD_HINT} before "
+      f"using the cpu tactic.")
+
+
+def compile_timeout_s() -> float:
+  """Seconds a build may take (``$RKV_CC_TIMEOUT_S``, default 300): a hanging compiler used to
+  block the first ``tactic="cpu"`` call forever."""
+  raw = os.environ.get(TIMEOUT_ENV)
+  if raw is None:
+    return DEFAULT_COMPILE_TIMEOUT_S
+  try:
+    t = float(raw)
+  except ValueError:
+    t = float("nan")
+  if not t > 0:
+    raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+  return t
 
 
 def source_hash() -> str:
@@ -89,25 +118,131 @@ def cache_dir() -> str:
   return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "rkv")
 
 
+def _compile(cc: str, out: str) -> None:
+  """Runs the compiler on ``cpu_kernel.c`` into ``out``, within :func:`compile_timeout_s`."""
+  cmd = [cc, *_BASE_FLAGS, *arch_flags(), f"-DRKV_SOURCE_HASH=\"{source_hash()}\"", SOURCE,
+         "-o", out, "-lm"]
+  timeout = compile_timeout_s()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise RuntimeError(f"rkv CPU-tail kernel: the compiler did not finish within {timeout:g} s "
+                       f"({' '.join(cmd)}); it was killed. Set {TIMEOUT_ENV} to allow longer, or "
+                       f"{_PREBUILD_HINT}.") from None
+  if proc.returncode != 0:
+    raise RuntimeError(f"rkv CPU-tail kernel: compiling failed ({' '.join(cmd)}):\n"
+                       f"{proc.stdout}{proc.stderr}")
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def _digest_path(so_path: str) -> str:
+  return so_path + ".sha256"
+
+
 def compile_library(out_path: str, *, compiler: str | None = None) -> str:
-  """Compiles ``cpu_kernel.c`` to ``out_path`` (atomically: a half-written file never appears)."""
+  """Compiles ``cpu_kernel.c`` to ``out_path`` (atomically: a half-written file never appears)
+  and records its SHA-256 beside it (``out_path.sha256``), which :func:`library_path` checks
+  before a cached build is loaded."""
   cc = compiler or find_compiler()
-  flags = _BASE_FLAGS + arch_flags()
   out_dir = os.path.dirname(os.path.abspath(out_path))
   os.makedirs(out_dir, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
-  cmd = [cc, *flags, f"-DRKV_SOURCE_HASH=\"{source_hash()}\"", SOURCE, "-o", tmp, "-lm"]
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-      raise RuntimeError(f"rkv CPU-tail kernel: compiling failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout}{proc.stderr}")
+    _compile(cc, tmp)
+    problem = elf_problem(tmp)
+    if problem:
+      raise RuntimeError(f"rkv CPU-tail kernel: the compiler wrote an unusable library: {problem}")
+    digest_tmp = tmp + ".sha256"
+    with open(digest_tmp, "w") as f:
+      f.write(_sha256(tmp))
+    # The digest first: a crash between the two leaves a digest that does not match, so the next
+    # library_path() rebuilds instead of trusting a stale file.
+    os.replace(digest_tmp, _digest_path(out_path))
     os.replace(tmp, out_path)
   finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+    for leftover in (tmp, tmp + ".sha256"):
+      if os.path.exists(leftover):
+        os.remove(leftover)
   return out_path
+
+
+def elf_problem(path: str) -> str | None:
+  """Why ``path`` is not a loadable 64-bit ELF shared library of this build, or None.
+
+  Checked before ``dlopen``: junk fails there with an obscure error, and a truncated library
+  whose segments run past the end of the file is mapped anyway and kills the process with
+  SIGBUS at the first touch of the missing pages."""
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      head = f.read(64)
+      if len(head) < 64 or head[:4] != b"\x7fELF":
+        return "not an ELF file"
+      if head[4] != 2 or head[5] != 1:
+        return "not a 64-bit little-endian ELF file"
+      phoff = int.from_bytes(head[0x20:0x28], "little")
+      shoff = int.from_bytes(head[0x28:0x30], "little")
+      phentsize = int.from_bytes(head[0x36:0x38], "little")
+      phnum = int.from_bytes(head[0x38:0x3a], "little")
+      shentsize = int.from_bytes(head[0x3a:0x3c], "little")
+      shnum = int.from_bytes(head[0x3c:0x3e], "little")
+      if phnum == 0 or phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+        return f"truncated ({size} bytes: its headers run past the end)"
+      f.seek(phoff)
+      table = f.read(phnum * phentsize)
+  except OSError as e:
+    return f"unreadable ({e})"
+  for i in range(phnum):
+    ph = table[i * phentsize:(i + 1) * phentsize]
+    offset = int.from_bytes(ph[8:16], "little")
+    filesz = int.from_bytes(ph[32:40], "little")
+    if offset + filesz > size:
+      return f"truncated ({size} bytes, segment {i} ends at byte {offset + filesz})"
+  return None
+
+
+def cached_build_problem(path: str) -> str | None:
+  """Why the cached build ``path`` must not be loaded (missing, a bad ELF file, or bytes that
+  differ from the SHA-256 recorded when it was built), or None."""
+  if not os.path.isfile(path):
+    return "missing"
+  problem = elf_problem(path)
+  if problem:
+    return problem
+  try:
+    with open(_digest_path(path)) as f:
+      recorded = f.read().strip()
+  except OSError:
+    return "no recorded SHA-256 (built by an older rkv, or the record was lost)"
+  if recorded != _sha256(path):
+    return "its bytes differ from the SHA-256 recorded when it was built"
+  return None
+
+
+def kernel_available() -> tuple[bool, str]:
+  """``(True, "")`` if the cpu / hybrid tactics can run here: a usable ``$RKV_CPU_KERNEL_SO``, a
+  verified cached build, or a compiler to build one; else ``(False, why)``. Builds nothing (the
+  planner asks it before choosing a tactic)."""
+  env = os.environ.get(SO_ENV)
+  if env:
+    problem = elf_problem(env) if os.path.isfile(env) else "not a file"
+    return (problem is None, "" if problem is None else f"{SO_ENV}={env!r}: {problem}")
+  if cached_build_problem(_cached_path()) is None:
+    return True, ""
+  try:
+    find_compiler()
+  except CompilerNotFoundError as e:
+    return False, str(e)
+  return True, ""
+
+
+def _cached_path() -> str:
+  return os.path.join(cache_dir(), f"rkv_cpu_kernel-{build_key()}-{platform.machine()}.so")
 
 
 def library_path() -> str:
@@ -116,9 +251,16 @@ def library_path() -> str:
   if env:
     if not os.path.isfile(env):
       raise ValueError(f"{SO_ENV}={env!r} is not a file")
+    problem = elf_problem(env)
+    if problem:
+      raise ValueError(f"{SO_ENV}={env!r} is not a usable library: {problem}; {_PREBUILD_HINT}")
     return env
-  path = os.path.join(cache_dir(), f"rkv_cpu_kernel-{build_key()}-{platform.machine()}.so")
-  if not os.path.isfile(path):
+  path = _cached_path()
+  problem = cached_build_problem(path)
+  if problem is not None:
+    if problem != "missing":  # never load a build we cannot vouch for: rebuild it
+      warnings.warn(f"rkv CPU-tail kernel: the cached build {path} is not usable ({problem}); "
+                    f"rebuilding it", stacklevel=2)
     compile_library(path)
   return path
 

@@ -29,7 +29,8 @@
  * Arithmetic: float32 online softmax (natural log, like every rkv backend): logits of a block,
  * one rescale of the accumulators per block, then p @ V. A cell with k_pos < 0 is skipped before
  * its K/V bytes are touched, so NaN there cannot leak; a row that sees no key returns o = 0,
- * lse = -inf. int8 scales multiply the logit (k) and the weight (v), not the elements.
+ * lse = -inf; a row that reads a NaN (q, or a visible K cell) returns NaN in o and lse, as every
+ * rkv backend (masked cells are a select to -inf, so a NaN there is not "read"). int8 scales multiply the logit (k) and the weight (v), not the elements.
  *
  * Vectorization: AVX2 + FMA + F16C intrinsics when compiled for x86-64-v3; exp is a Cephes
  * polynomial. With D % 16 == 0 (the hot case: bf16, T=1, G=4, D=128) the register-blocked path:
@@ -669,6 +670,7 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         float* lg = w->lg + r * RKV_BLOCK;
         const float* madd = w->madd + t * RKV_BLOCK;
         float mx;
+        int row_nan = 0;
 #if RKV_AVX2
         if (fast) {
           if (quant)
@@ -686,13 +688,20 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         if (cap)
           for (int j = 0; j < nv; j++) lg[j] = softcap * tanhf(lg[j] * inv_cap);
         {
-          __m256 mv = _mm256_set1_ps(-INFINITY);
+          /* Masked cells become -inf by a select, not by adding -inf: NaN + -inf is NaN, and a
+           * NaN logit left in a masked cell could not be told from one the row reads. After the
+           * select every NaN is a visible one (q or a visible K cell): flag the row. */
+          __m256 mv = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
           for (int j = 0; j < nv8; j += 8) {
-            __m256 x = _mm256_add_ps(_mm256_load_ps(lg + j), _mm256_load_ps(madd + j));
+            const __m256 ma = _mm256_load_ps(madd + j);
+            __m256 x = _mm256_blendv_ps(_mm256_load_ps(lg + j), ma,
+                                        _mm256_cmp_ps(ma, _mm256_setzero_ps(), _CMP_NEQ_UQ));
             _mm256_store_ps(lg + j, x);
             mv = _mm256_max_ps(mv, x);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
           }
           mx = hmax256(mv);
+          row_nan = _mm256_movemask_ps(nan) != 0;
         }
 #else
         prefetch_some(&pf, pf_per_row);
@@ -703,11 +712,23 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
           for (int64_t d = 0; d < Dp; d++) x += qrow[d] * kr[d];
           if (quant) x *= w->kfac[j];
           if (cap) x = softcap * tanhf(x * inv_cap);
-          x += madd[j];
+          x = madd[j] == 0.0f ? x : -INFINITY;  /* a select: see the AVX2 path */
+          row_nan |= x != x;
           lg[j] = x;
           mx = x > mx ? x : mx;
         }
 #endif
+        if (row_nan) {
+          /* The row read a NaN: its l becomes NaN (sticky: later blocks give l * alpha + sum) and
+           * the final merge writes NaN to o and lse. The comparisons below would drop it. */
+          l[r] = NAN;
+          w->seen[r] = 0;
+          if (fast) {  /* as for a row that saw nothing in this block: add 0 * V, keep acc */
+            w->alpha[r] = 1.0f;
+            for (int j = 0; j < nv8; j++) lg[j] = 0.0f;
+          }
+          continue;
+        }
         if (mx == -INFINITY) {
           w->seen[r] = 0;
           if (fast) {  /* p @ V runs over groups of rows: this one adds 0 * V and keeps acc */
@@ -942,9 +963,17 @@ int rkv_cpu_attention(const rkv_attn_args* a, int num_threads, int64_t chunk, fl
         const int64_t t = r / G, g = r % G, h = kh * G + g;
         float* orow = o + ((b * T + t) * H + h) * D;
         double top = -INFINITY;
+        int read_nan = 0;
         for (int64_t c = 0; c < nchunk; c++) {
           const float* pm = p_ml + (b * nchunk + c) * K * R * 2;
-          if (pm[K * R + kh * R + r] > 0.0f && pm[kh * R + r] > top) top = pm[kh * R + r];
+          const float lc = pm[K * R + kh * R + r];
+          read_nan |= lc != lc;
+          if (lc > 0.0f && pm[kh * R + r] > top) top = pm[kh * R + r];
+        }
+        if (read_nan) {  /* a chunk read a NaN (q or a visible K cell): it propagates */
+          for (int64_t d = 0; d < D; d++) orow[d] = NAN;
+          lse[(b * T + t) * H + h] = NAN;
+          continue;
         }
         if (top == -INFINITY) {
           for (int64_t d = 0; d < D; d++) orow[d] = 0.0f;

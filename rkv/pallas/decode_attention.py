@@ -244,7 +244,8 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
   init = (jnp.zeros((r_pad, d_pad), jnp.float32), jnp.full((r_pad,), -jnp.inf, jnp.float32),
           jnp.zeros((r_pad,), jnp.float32))
   acc, m, l = lax.fori_loop(0, num_blocks, body, init)
-  seen = l > 0
+  # l != 0, not l > 0: a NaN the row read makes l NaN and must reach o and lse (docs/DESIGN.md §3).
+  seen = l != 0
   l_safe = jnp.where(seen, l, 1.0)
   o = acc / l_safe[:, None]
   lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
@@ -372,12 +373,13 @@ def _unpack(x, t: int, g: int, d: int | None):
 
 
 def _merge_splits(o_parts, lse_parts, axis: int):
-  """Exact LSE-weighted merge over ``axis``; all -inf gives lse=-inf and o=0, never NaN."""
+  """Exact LSE-weighted merge over ``axis``; all -inf gives lse=-inf and o=0; a NaN split (it
+  read a NaN) gives NaN, as rkv.attention.merge_partials."""
   mx = jnp.max(lse_parts, axis=axis, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  mx = jnp.where(mx == -jnp.inf, 0.0, mx)  # only -inf means "no key": NaN must go through
   w = jnp.exp(lse_parts - mx)  # 0 for splits that saw no key
   den = jnp.sum(w, axis=axis)
-  seen = den > 0
+  seen = den != 0
   o = jnp.sum(w[..., None] * o_parts, axis=axis) / jnp.where(seen, den, 1.0)[..., None]
   lse = jnp.where(seen, jnp.squeeze(mx, axis) + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
   return o, lse
@@ -414,7 +416,7 @@ def _prepare(where, q, k, v, q_pos, k_pos, k_scale, v_scale, causal, window, sof
              block_sizes, interpret):
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where=where)
+                                   causal=causal, where=where)
   if args.q_len > MAX_QUERY_LEN:
     raise ValueError(f"{where}: q must have T <= {MAX_QUERY_LEN} query tokens (decode), got shape "
                      f"{tuple(q.shape)}; use flash attention for longer queries")

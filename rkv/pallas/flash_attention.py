@@ -228,7 +228,8 @@ def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_re
            jnp.int32(0))
   acc, m, l, n = lax.fori_loop(lo, hi, body, carry)
 
-  seen_any = l > 0.0
+  # l != 0, not l > 0: a NaN the row read makes l NaN and must reach o and lse (docs/DESIGN.md §3).
+  seen_any = l != 0.0
   inv_l = 1.0 / jnp.where(seen_any, l, 1.0)
   o = (acc * inv_l[:, None]).astype(o_ref.dtype)  # acc = 0 on empty rows, so o = 0
   lse = jnp.where(seen_any, (m + jnp.log2(jnp.where(seen_any, l, 1.0))) * _LN2, -jnp.inf)
@@ -381,8 +382,11 @@ def flash_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=No
   ``interpret=None`` interprets on a CPU backend. ``block_sizes=None`` picks
   ``BlockSizes.for_head_dim(D)``.
   """
+  validation.check_causal("flash_attention", causal)
   args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
                           block_sizes, interpret)
+  if args.kv_len == 0:  # no KV blocks to tile: the no-key answer, as every backend gives it
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   o, lse = _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,
                             causal=bool(causal), count_visits=False, **static)
   return o, lse
@@ -397,6 +401,7 @@ def flash_attention_block_visits(q, k, v, *, q_pos=None, k_pos=None, k_scale=Non
   For tests and tuning: proves tile skipping happens (a causal prefill with default positions
   computes about half of the nQ * nK blocks).
   """
+  validation.check_causal("flash_attention", causal)
   args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
                           block_sizes, interpret)
   return _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,

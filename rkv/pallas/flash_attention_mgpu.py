@@ -332,8 +332,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, scale: float, offset
 
     lse_smem = lse_smems.at[wg]
     if positions:
-      # A row that saw no key has l = 0 and acc = 0: o = 0, lse = -inf (DESIGN contract).
-      seen = l > 0.0
+      # A row that saw no key has l = 0 and acc = 0: o = 0, lse = -inf (docs/DESIGN.md §2).
+      seen = l != 0.0  # NaN (a read NaN) is "seen": it propagates
       safe_l = jnp.where(seen, l, 1.0)
       inv_l = 1.0 / safe_l
       lse = jnp.where(seen, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)

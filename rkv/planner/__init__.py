@@ -44,7 +44,7 @@ from rkv.planner.budget import (DEFAULT_PREFETCH_TILES, DEFAULT_CHUNK_TOKENS, DE
                                 resolve_reserve, kv_budget_bytes, streamed_tile_bytes,
                                 check_device_fit, format_number, format_bytes)
 from rkv.planner.config import (DEFAULT_TILE_CELLS, MODES, MODE_TACTIC, ResidencyConfig)
-from rkv.planner.placement import (LayerPlan, Plan, plan)
+from rkv.planner.placement import (CPU_KERNEL_TACTICS, LayerPlan, Plan, available_tactics, plan)
 
 __all__ = [
     "MIB",
@@ -120,7 +120,9 @@ __all__ = [
     "MODES",
     "MODE_TACTIC",
     "ResidencyConfig",
+    "CPU_KERNEL_TACTICS",
     "LayerPlan",
+    "available_tactics",
     "Plan",
     "plan",
 ]

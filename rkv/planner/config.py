@@ -39,7 +39,8 @@ class ResidencyConfig:
   prefetcher, and the reserve counts the eager schedule's lookahead + 1 tiles instead).
   ``check_free``: refuse, before anything is allocated, a plan that does not fit this machine —
   an explicit ``vram_target_mib`` whose caches plus the reserve exceed the device's free memory,
-  or a host tail above the host's available RAM (False: plan for another machine).
+  or a host tail above the host's available RAM, and leave out the cpu / hybrid tactics where the
+  CPU-tail kernel cannot run here (False: plan for another machine).
   ``tile_cells``: the largest host-tail tile; each layer's tile is picked so its whole tiles
   barely exceed the cells that must leave the device (:func:`tile_candidates`); a tight budget
   may shrink it to ``min_tile_cells``. Both multiples of WINDOW_ALIGN.

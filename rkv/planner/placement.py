@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 
+from rkv import tactics
 from rkv.planner.budget import (Reserve, check_device_fit, format_bytes, format_number,
                                 kv_budget_bytes, resolve_reserve, streamed_tile_bytes)
 from rkv.planner.config import MODE_TACTIC, ResidencyConfig
-from rkv.planner.cost import (TACTICS, ModeledTimes, cpu_share, head_time, modeled_times,
+from rkv.planner.cost import (OFFLOAD_TACTICS, TACTICS, ModeledTimes, cpu_share, head_time, modeled_times,
                               partial_copy_time, resident_time, select)
 from rkv.planner.layout import (WINDOW_ALIGN, best_layout, cell_sizes, floor_align, head_layout,
                                 layer_layout)
@@ -20,6 +22,28 @@ from rkv.planner.profile import MIB, Profile, is_int
 from rkv.planner.shape import AttentionShape, attention_shape
 
 log = logging.getLogger("rkv.planner")
+
+CPU_KERNEL_TACTICS = tactics.HOST_KERNEL  # cpu, hybrid: they need the CPU-tail kernel
+
+
+def available_tactics(forced: str | None) -> tuple[str, ...]:
+  """The selector's candidates on this machine. Without the CPU-tail kernel (no compiler, no
+  usable prebuilt library) cpu and hybrid cannot run: ``auto`` leaves them out with a warning
+  (stream still works), a forced ``cpu``/``hybrid`` mode is refused here, before a plan is
+  printed, not at the first decode step. (A plan for another machine, ``check_free=False``,
+  skips this, like the free-memory check.)"""
+  from rkv.offload import cpu_build
+  if forced is not None and forced not in CPU_KERNEL_TACTICS:
+    return OFFLOAD_TACTICS
+  ok, why = cpu_build.kernel_available()
+  if ok:
+    return OFFLOAD_TACTICS
+  if forced is not None:
+    raise ValueError(f"plan: mode={forced!r} needs the CPU-tail kernel, which is not available "
+                     f"here: {why}")
+  warnings.warn(f"plan: the CPU-tail kernel is not available ({why}); the cpu and hybrid tactics "
+                f"are left out", stacklevel=3)
+  return tuple(t for t in OFFLOAD_TACTICS if t not in CPU_KERNEL_TACTICS)
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
@@ -279,6 +303,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   # their own call (no prefetch), so its time keeps it.
   stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
                     else profile)
+  candidates = available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
   layers = []
   for i in range(shape.num_layers):
     if i in ring:
@@ -295,7 +320,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
       mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
                         head=head_time(heads.device_read, heads.host_read, profile))
     times = mt.as_dict()
-    tactic = forced or select(times)
+    tactic = forced or select(times, candidates)
     if forced in ("cpu", "hybrid") and times[forced] is None:
       log.warning("plan: mode=%r but the profile has no cpu_attn_gbps: layer %d's time is not "
                   "modeled", cfg.mode, i)
