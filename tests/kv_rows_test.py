@@ -359,3 +359,4 @@ def test_bad_pool_input_raises_value_error_naming_the_argument(name, override, i
   kw.update(override)
   with pytest.raises(ValueError, match=name):
     rkv.attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
