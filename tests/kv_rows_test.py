@@ -318,6 +318,61 @@ def test_pallas_kernels_make_no_gathered_copy(t):
   assert _gathers_outside_kernels(jaxpr.jaxpr)
 
 
+# (kernel, T, D, kv dtype, options): the pool paths lowered to Triton IR for an H200 (what
+# interpret mode cannot check: the gather loads' pointer tensors, tile shapes, dot operands).
+TRITON_CONFIGS = [
+    ("decode", 1, 128, jnp.bfloat16, dict()),
+    ("decode", 4, 80, jnp.int8, dict(k_pos=True, window=64)),
+    ("flash", 64, 128, jnp.bfloat16, dict()),
+    ("flash", 40, 96, jnp.int8, dict(softcap=30.0)),
+]
+
+
+@pytest.mark.parametrize("config", TRITON_CONFIGS,
+                         ids=lambda c: f"{c[0]}_d{c[2]}_{jnp.dtype(c[3]).name}")
+def test_pool_kernels_lower_to_verified_triton_ir(config, monkeypatch):
+  # The same private hooks as tests/pallas_flash_attention_test.py (the only way to name a GPU
+  # on a CPU host); skips if they moved.
+  try:
+    from jax._src.pallas.triton import gpu_info, lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+  except ImportError as e:
+    pytest.skip(f"jax's Pallas Triton internals moved: {e}")
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+  verified = []
+  lower_module = lowering.lower_jaxpr_to_triton_module
+
+  def lower_and_verify(*args, **kwargs):
+    result = lower_module(*args, **kwargs)
+    verified.append(result.module.operation.verify())
+    return result
+
+  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+  kernel, t, d, kv_dt, opts = config
+  b, s, h, kh, r = 2, 300, 8, 2, 1000
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((r, kh, d), kv_dt)
+  scales = jax.ShapeDtypeStruct((r, kh), jnp.float32) if kv_dt == jnp.int8 else None
+  rows = jax.ShapeDtypeStruct((b, s), jnp.int32)
+  q_pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  k_pos = jax.ShapeDtypeStruct((b, s), jnp.int32)
+  static = dict(causal=True, window=opts.get("window"), softcap=opts.get("softcap"),
+                scale=d**-0.5, interpret=False)
+  if kernel == "decode":
+    blocks = da.BlockSizes().resolve(batch=b, kv_heads=kh, kv_len=s, rows=16, head_dim=128,
+                                     kv_itemsize=jnp.dtype(kv_dt).itemsize)
+    traced = da._decode_attention_jit.trace(q, pool, pool, q_pos,
+                                            k_pos if opts.get("k_pos") else None, scales,
+                                            scales, rows, block_sizes=blocks, **static)
+  else:
+    traced = fa._flash_attention.trace(q, pool, pool, q_pos, k_pos, scales, scales, rows,
+                                       block_sizes=fa.BlockSizes.for_head_dim(d),
+                                       count_visits=False, **static)
+  traced.lower(lowering_platforms=("cuda",))
+  assert verified == [True]
+
+
 def test_mosaic_kernel_refuses_pools_so_the_generic_kernel_runs():
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   pool = jax.ShapeDtypeStruct((512, 2, 128), jnp.bfloat16)

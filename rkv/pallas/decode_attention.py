@@ -31,7 +31,7 @@ is laid out to stream K/V at HBM speed, not to save flops:
   D contiguous elements (256 B at bf16 D=128, two full 128 B lines), so a row-level gather still
   moves whole cache lines and needs no page granularity; rows in order coalesce like the dense
   cache. Padding rows (negative) are masked out of the loads, so they are never fetched. Nothing is
-  gathered into a copy: at 32K keys x 8 sequences such a copy would move as many bytes as the kernel.
+  gathered into a copy: a copy would read every byte the kernel reads and write it once more.
 
 Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K, D head dim,
 R packed query rows per kv head, N splits along S; R_pool rows of a shared K/V pool (kv_rows).
@@ -334,8 +334,8 @@ def _key_bounds(q_pos, k_pos, kv_len: int, *, causal: bool, window: int | None):
   return jnp.stack([lo, hi, kmin, kmax], axis=1).astype(jnp.int32)
 
 
-def _packed_partials(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap,
-                     scale, block_sizes: BlockSizes, interpret: bool):
+def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
+                     softcap, scale, block_sizes: BlockSizes, interpret: bool):
   """Runs the kernel. Returns o [B, N, K, R, Dp] float32 and lse [B, N, K, R] float32 (packed rows).
 
   With ``kv_rows`` [B,S], k/v are a pool [R_pool,K,D] (k_scale/v_scale [R_pool,K])."""
@@ -437,11 +437,11 @@ def _merge_splits(o_parts, lse_parts, axis: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_attention_jit(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal, window,
+def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
                           softcap, scale, block_sizes, interpret):
   t, h, d = q.shape[1:]
   g = h // k.shape[-2]  # [B,S,K,D] or a pool [R_pool,K,D]
-  o_p, lse_p = _packed_partials(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, causal=causal,
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows, causal=causal,
                                 window=window, softcap=softcap, scale=scale,
                                 block_sizes=block_sizes, interpret=interpret)
   rows = t * g
@@ -451,11 +451,11 @@ def _decode_attention_jit(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, c
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_partials_jit(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal, window,
+def _decode_partials_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
                          softcap, scale, block_sizes, interpret):
   t, h, d = q.shape[1:]
   g = h // k.shape[-2]
-  o_p, lse_p = _packed_partials(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, causal=causal,
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows, causal=causal,
                                 window=window, softcap=softcap, scale=scale,
                                 block_sizes=block_sizes, interpret=interpret)
   o_p = jnp.moveaxis(_unpack(o_p, t, g, d), 1, 0)  # [N, B, T, H, D]
@@ -482,8 +482,8 @@ def _prepare(where, q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, causal, wi
       head_dim=max(16, _next_pow2(args.head_dim)), kv_itemsize=jnp.dtype(k.dtype).itemsize)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  operands = (q, k, v, args.kv_rows, args.q_pos, None if k_pos is None else args.k_pos, k_scale,
-              v_scale)
+  operands = (q, k, v, args.q_pos, None if k_pos is None else args.k_pos, k_scale, v_scale,
+              args.kv_rows)
   static = dict(causal=bool(causal), window=None if window is None else int(window),
                 softcap=None if softcap is None else float(softcap), scale=args.scale,
                 block_sizes=block_sizes, interpret=bool(interpret))

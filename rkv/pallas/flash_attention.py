@@ -26,8 +26,8 @@ bf16). Padding rows (negative) are masked out of the loads and are empty slots; 
 of K/V is ever made. Rows >= R (device tables are not range-checked) read the last row, as a jnp
 gather clamps.
 
-Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K, D head dim,
-R rows of a shared K/V pool.
+Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K,
+D head dim, R rows of a shared K/V pool.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def _block_ranges(q_pos, k_pos, *, block_q: int, block_k: int, causal: bool,
     jax.jit,
     static_argnames=("causal", "window", "softcap", "scale", "block_sizes", "interpret",
                      "count_visits"))
-def _flash_attention(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal: bool,
+def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal: bool,
                      window: int | None, softcap: float | None, scale: float,
                      block_sizes: BlockSizes, interpret: bool, count_visits: bool):
   b, t, h, d = q.shape
@@ -429,7 +429,7 @@ def flash_attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=No
                           scale, block_sizes, interpret)
   if args.kv_len == 0:  # no KV blocks to tile: the no-key answer, as every backend gives it
     return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  o, lse = _flash_attention(q, k, v, args.kv_rows, args.q_pos, args.k_pos, k_scale, v_scale,
+  o, lse = _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, args.kv_rows,
                             causal=bool(causal), count_visits=False, **static)
   return o, lse
 
@@ -446,7 +446,7 @@ def flash_attention_block_visits(q, k, v, *, kv_rows=None, q_pos=None, k_pos=Non
   validation.check_causal("flash_attention", causal)
   args, static = _resolve(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, window, softcap,
                           scale, block_sizes, interpret)
-  return _flash_attention(q, k, v, args.kv_rows, args.q_pos, args.k_pos, k_scale, v_scale,
+  return _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, args.kv_rows,
                           causal=bool(causal), count_visits=True, **static)
 
 
