@@ -226,6 +226,18 @@ def test_sequences_sharing_every_row_give_equal_rows(impl):
   np.testing.assert_array_equal(np.asarray(lse)[0], np.asarray(lse)[1])
 
 
+def test_decode_partials_of_a_pool_merge_to_the_pool_call():
+  # Callers that merge the splits with other partials (a host tail) get the same pool reads.
+  case = Case("partials", t=2, lengths=(40, 17), holes=True)
+  pool = make_pool(case, seed=8)
+  qj, kj, vj = to_jax(case, pool)
+  kw = dict(kv_rows=pool.kv_rows, q_pos=pool.q_pos, block_sizes=DECODE_TILES, interpret=True)
+  o_p, lse_p = da.decode_attention_partials(qj, kj, vj, **kw)
+  assert o_p.shape[0] == DECODE_TILES.num_splits
+  o, lse = rkv.merge_partials(o_p, lse_p)
+  assert_close("float32", o, lse, *expected(case, pool, qj, kj, vj))
+
+
 # ----------------------------------------------------------------------------------------------
 # NaN in a pool row that attention reads propagates (DESIGN.md §3), to every sequence that lists
 # the row and to no other.
