@@ -71,7 +71,6 @@ CASES = [
     Case("chunk_shared_prefix_mha_window", t=17, h=2, k=2, window=6, layout="shared_prefix",
          lengths=(40, 29), explicit_k_pos=True),
     Case("chunk_int8_holes", t=18, int8=True, holes=True, lengths=(35, 26)),
-    Case("chunk_bf16_in_order", t=24, dtype="bfloat16", layout="in_order", lengths=(30, 24)),
 ]
 
 
@@ -213,19 +212,6 @@ def test_pool_call_equals_dense_call_on_gathered_rows(impl, t):
                              rtol=tol["lse"][1])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sequences_sharing_every_row_give_equal_rows(impl):
-  # Two sequences that list the same rows (one of them in a pool twice its size) see the same
-  # keys: identical queries must give identical outputs, whatever the other rows hold.
-  case = Case("twins", t=2, lengths=(29, 29), layout="shuffled")
-  pool = make_pool(case, seed=4)
-  pool.kv_rows[1] = pool.kv_rows[0]
-  pool.q[1] = pool.q[0]
-  o, lse = pool_attention(case, pool, impl, *to_jax(case, pool))
-  np.testing.assert_array_equal(np.asarray(o)[0], np.asarray(o)[1])
-  np.testing.assert_array_equal(np.asarray(lse)[0], np.asarray(lse)[1])
-
-
 def test_decode_partials_of_a_pool_merge_to_the_pool_call():
   # Callers that merge the splits with other partials (a host tail) get the same pool reads.
   case = Case("partials", t=2, lengths=(40, 17), holes=True)
@@ -272,19 +258,9 @@ def test_nan_in_a_visible_pool_row_propagates(impl, t, place):
 # Row tables on the device: used under jit without a host sync; rows >= R read a clamped row.
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
-def test_device_row_table_under_jit(impl):
-  case = Case("jit", t=1, lengths=(20, 13))
-  pool = make_pool(case, seed=5)
-  qj, kj, vj = to_jax(case, pool)
-  fn = jax.jit(lambda rows: pool_attention(case, pool, impl, qj, kj, vj, kv_rows=rows))
-  o, lse = fn(jnp.asarray(pool.kv_rows))
-  assert_close("float32", o, lse, *expected(case, pool, qj, kj, vj))
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_device_rows_beyond_the_pool_read_the_last_row(impl):
-  # Device values are never read back to be checked (one sync per layer and step); a row >= R
-  # then reads row R-1 in every impl, never memory outside the pool.
+def test_device_row_table_under_jit_rows_beyond_the_pool_read_the_last_row(impl):
+  # A traced row table works (no host sync to check it: one per layer and step would stall
+  # decode); a row >= R then reads row R-1 in every impl, never memory outside the pool.
   case = Case("clamp", t=1, lengths=(20, 13), layout="in_order")
   pool = make_pool(case, seed=6)
   r = pool.k.shape[0]
@@ -292,7 +268,8 @@ def test_device_rows_beyond_the_pool_read_the_last_row(impl):
   clamped = pool.kv_rows.copy()
   clamped[1, 3] = r + 100
   qj, kj, vj = to_jax(case, pool)
-  o, lse = pool_attention(case, pool, impl, qj, kj, vj, kv_rows=jnp.asarray(clamped))
+  fn = jax.jit(lambda rows: pool_attention(case, pool, impl, qj, kj, vj, kv_rows=rows))
+  o, lse = fn(jnp.asarray(clamped))
   pool.kv_rows = np.where(clamped >= r, r - 1, clamped)
   assert_close("float32", o, lse, *expected(case, pool, qj, kj, vj))
 
