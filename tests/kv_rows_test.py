@@ -212,6 +212,15 @@ def test_pool_call_equals_dense_call_on_gathered_rows(impl, t):
                              rtol=tol["lse"][1])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_padding_sees_no_key(impl):
+  # Every key is padding over a pool of NaN: o = 0, lse = -inf, whatever k_pos says.
+  pool = jnp.full((5, 2, 16), jnp.nan)
+  o, lse = rkv.attention(jnp.ones((2, 1, 4, 16)), pool, pool, kv_rows=np.full((2, 9), -1),
+                         q_pos=np.full((2, 1), 8), k_pos=np.zeros((2, 9), np.int32), impl=impl)
+  assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
 def test_decode_partials_of_a_pool_merge_to_the_pool_call():
   # Callers that merge the splits with other partials (a host tail) get the same pool reads.
   case = Case("partials", t=2, lengths=(40, 17), holes=True)
