@@ -2,7 +2,7 @@
 
 Dimension glossary (shape letters used in every docstring and comment):
   B batch · T query length · S key/value length · H query heads · K kv heads · G = H/K group ·
-  D head dim · W window cells · P tail cells · L layers.
+  D head dim · W window cells · P tail cells · L layers · R rows of a KV pool (``kv_rows``).
 Layouts follow ``jax.nn.dot_product_attention``: q ``[B,T,H,D]``, k/v ``[B,S,K,D]``, o ``[B,T,H,D]``.
 LSE is natural-log float32 ``[B,T,H]``; a row that sees no key has ``o = 0`` and ``lse = -inf``.
 

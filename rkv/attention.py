@@ -73,6 +73,17 @@ def _no_keys(q):
   return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
 
 
+def pool_positions(kv_rows: jax.Array, k_pos: jax.Array) -> jax.Array:
+  """``k_pos [B,S]`` with padding keys (``kv_rows < 0``) made empty slots, whatever k_pos says."""
+  return jnp.where(kv_rows < 0, -1, k_pos)
+
+
+def gather_rows(pool: jax.Array, kv_rows: jax.Array) -> jax.Array:
+  """Pool rows ``[R,...]`` -> each sequence's keys ``[B,S,...]``. Padding (negative) rows and
+  rows >= R read a clamped row, which :func:`pool_positions` or the range check makes moot."""
+  return pool[jnp.clip(kv_rows, 0, pool.shape[0] - 1)]
+
+
 def _finish(o_acc, row_sum, row_max, out_dtype):
   """Normalizes an online-softmax state; rows that saw no key become ``o=0, lse=-inf``, rows
   that read a NaN give NaN."""
@@ -85,20 +96,30 @@ def _finish(o_acc, row_sum, row_max, out_dtype):
 # ----------------------------------------------------------------------------------------------
 # reference: float32 einsum over the full [T,S] logits
 # ----------------------------------------------------------------------------------------------
-def attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                        causal=True, window=None, softcap=None, scale=None):
-  """Float32 attention that materializes every logit: the yardstick for the fast paths."""
+def attention_reference(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None,
+                        v_scale=None, causal=True, window=None, softcap=None, scale=None):
+  """Float32 attention that materializes every logit: the yardstick for the fast paths.
+
+  With ``kv_rows`` it gathers each sequence's rows of the pool first (the dense call is the
+  definition of a pool call).
+  """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   causal=causal, where="attention_reference")
+                                   causal=causal, kv_rows=kv_rows, where="attention_reference")
   if args.kv_len == 0:
     return _no_keys(q)
-  return _reference(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal,
-                    window=window, softcap=softcap, scale=args.scale)
+  return _reference(q, k, v, args.kv_rows, args.q_pos, args.k_pos, k_scale, v_scale,
+                    causal=causal, window=window, softcap=softcap, scale=args.scale)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "softcap", "scale"))
-def _reference(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale):
+def _reference(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap,
+               scale):
+  if kv_rows is not None:
+    k, v = gather_rows(k, kv_rows), gather_rows(v, kv_rows)
+    if k_scale is not None:
+      k_scale, v_scale = gather_rows(k_scale, kv_rows), gather_rows(v_scale, kv_rows)
+    k_pos = pool_positions(kv_rows, k_pos)
   b, t, h, d = q.shape
   kh = k.shape[2]
   valid = (k_pos >= 0)[:, :, None, None]
@@ -122,29 +143,42 @@ def _reference(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softc
 # ----------------------------------------------------------------------------------------------
 # xla: tiled online softmax in plain jnp, [T, block] logits at a time
 # ----------------------------------------------------------------------------------------------
-def attention_xla(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
-                  window=None, softcap=None, scale=None, block_k: int = _XLA_BLOCK_K):
-  """Portable flash attention: never materializes ``[T,S]``, runs on any backend."""
+def attention_xla(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                  causal=True, window=None, softcap=None, scale=None,
+                  block_k: int = _XLA_BLOCK_K):
+  """Portable flash attention: never materializes ``[T,S]``, runs on any backend.
+
+  With ``kv_rows`` each KV block gathers its ``[B, block_k]`` rows of the pool (a jnp gather of
+  one block, never the whole ``[B,S,K,D]``).
+  """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   causal=causal, where="attention_xla")
+                                   causal=causal, kv_rows=kv_rows, where="attention_xla")
   if not isinstance(block_k, int) or block_k < 1:
     raise ValueError(f"attention_xla: block_k must be a positive int, got {block_k!r}")
   if args.kv_len == 0:
     return _no_keys(q)
-  return _xla(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal, window=window,
-              softcap=softcap, scale=args.scale, block_k=min(block_k, args.kv_len))
+  return _xla(q, k, v, args.kv_rows, args.q_pos, args.k_pos, k_scale, v_scale, causal=causal,
+              window=window, softcap=softcap, scale=args.scale,
+              block_k=min(block_k, args.kv_len))
 
 
 @functools.partial(jax.jit,
                    static_argnames=("causal", "window", "softcap", "scale", "block_k"))
-def _xla(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale, block_k):
+def _xla(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
+         block_k):
   b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  pooled = kv_rows is not None
+  s, kh = (kv_rows.shape[1], k.shape[1]) if pooled else (k.shape[1], k.shape[2])
   g = h // kh
   n_blocks = -(-s // block_k)
   pad = n_blocks * block_k - s
-  if pad:
+  if pooled:
+    k_pos = pool_positions(kv_rows, k_pos)
+    if pad:  # padding keys are padding rows: the pool itself is never copied
+      kv_rows = jnp.pad(kv_rows, ((0, 0), (0, pad)), constant_values=-1)
+      k_pos = jnp.pad(k_pos, ((0, 0), (0, pad)), constant_values=-1)
+  elif pad:
     # Padding cells are empty slots (k_pos = -1): masked like any hole.
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -155,16 +189,21 @@ def _xla(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, sc
   compute_dtype = jnp.float32 if k_scale is not None else jnp.promote_types(q.dtype, k.dtype)
   qf = (q.astype(jnp.float32) * scale).astype(compute_dtype).reshape(b, t, kh, g, d)
 
+  def keys(x, start):
+    """Block ``[B, block_k, ...]`` of a dense K/V (or scale) array, or of the pool's rows."""
+    if pooled:
+      return gather_rows(x, jax.lax.dynamic_slice_in_dim(kv_rows, start, block_k, axis=1))
+    return jax.lax.dynamic_slice_in_dim(x, start, block_k, axis=1)
+
   def block(i, carry):
     row_max, row_sum, o_acc = carry
     start = i * block_k
-    kb = jax.lax.dynamic_slice_in_dim(k, start, block_k, axis=1)
-    vb = jax.lax.dynamic_slice_in_dim(v, start, block_k, axis=1)
+    kb, vb = keys(k, start), keys(v, start)
     pb = jax.lax.dynamic_slice_in_dim(k_pos, start, block_k, axis=1)
     valid = (pb >= 0)[:, :, None, None]
     if k_scale is not None:
-      kb = _dequantize(kb, jax.lax.dynamic_slice_in_dim(k_scale, start, block_k, axis=1))
-      vb = _dequantize(vb, jax.lax.dynamic_slice_in_dim(v_scale, start, block_k, axis=1))
+      kb = _dequantize(kb, keys(k_scale, start))
+      vb = _dequantize(vb, keys(v_scale, start))
     kb = jnp.where(valid, kb, 0).astype(compute_dtype)
     vb = jnp.where(valid, vb, 0).astype(compute_dtype)
     logits = jnp.einsum("btkgd,bskd->bkgts", qf, kb, **_dot_precision(compute_dtype))
@@ -235,22 +274,32 @@ def resolve_impl(impl: str, q_len: int) -> str:
   return impl
 
 
-def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, window=None, softcap=None,
-              scale=None, impl="auto", k_scale=None, v_scale=None, block_sizes=None):
+def attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, causal=True, window=None,
+              softcap=None, scale=None, impl="auto", k_scale=None, v_scale=None,
+              block_sizes=None):
   """Exact attention ``(o [B,T,H,D], lse [B,T,H])`` with masks from positions (docs/DESIGN.md §2).
 
   ``impl``: ``"reference"`` (float32 einsum), ``"xla"`` (tiled jnp online softmax), ``"pallas"``
   (the decode kernel for T <= 16, the flash kernel above; ``interpret=True`` on CPU), ``"auto"``.
   int8 K/V take ``k_scale``/``v_scale`` ``[B,S,K]``. ``block_sizes`` goes to the Pallas kernel.
+
+  Many sequences in one pool: with ``kv_rows [B,S]`` int32, k/v are a pool ``[R,K,D]`` shared by
+  the batch and key j of sequence b is pool row ``kv_rows[b, j]``. A negative row is padding:
+  never read (its K/V may be NaN) and an empty slot whatever ``k_pos`` says. ``k_pos [B,S]``
+  are those keys' positions (default ``arange(S)`` per sequence); int8 pools carry
+  ``k_scale``/``v_scale`` ``[R,K]``. Sequences may share rows (a common prefix) and list them in
+  any order. The result equals gathering each sequence's rows into dense ``[B,S,K,D]`` arrays
+  and calling this function on those; the Pallas kernels read the rows in place (no gathered
+  copy). Host row values >= R raise ``ValueError``; device row tables are not read back.
   """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   causal=causal)
+                                   causal=causal, kv_rows=kv_rows)
   impl = resolve_impl(impl, args.q_len)
   # The caller's positions go through unchanged: with k_pos=None the kernels know the keys are
   # arange(S) and take their cheaper default-positions path.
-  kw = dict(q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale, causal=causal,
-            window=window, softcap=softcap, scale=args.scale)
+  kw = dict(kv_rows=args.kv_rows, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+            causal=causal, window=window, softcap=softcap, scale=args.scale)
   if impl == "reference":
     return attention_reference(q, k, v, **kw)
   if impl == "xla":

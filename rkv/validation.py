@@ -4,7 +4,8 @@ Every public entry point (``rkv.attention``, each Pallas wrapper, the rolling ca
 arguments through :func:`attention_args` so that a bad call fails the same way, with a
 ``ValueError`` naming the argument, whichever backend it would have reached.
 
-Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H / K, D head dim.
+Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H / K, D head dim,
+R rows of a shared KV pool (``kv_rows``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class AttentionArgs:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  # With a pool: kv_rows [B,S] int32 (as given, negative = padding) and R, its number of rows.
+  kv_rows: jax.Array | None = None
+  pool_rows: int | None = None
 
   @property
   def group(self) -> int:
@@ -77,21 +81,35 @@ def _as_int32(x):
 
 
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                   window=None, softcap=None, scale=None, causal=True,
+                   window=None, softcap=None, scale=None, causal=True, kv_rows=None,
                    where: str = "attention") -> AttentionArgs:
   """Checks shapes, dtypes and options of one attention call; returns the resolved arguments.
 
-  ``k_scale``/``v_scale`` (``[B,S,K]`` float) must be given exactly when K/V are int8.
+  ``k_scale``/``v_scale`` (``[B,S,K]`` float, ``[R,K]`` with a pool) must be given exactly when
+  K/V are int8. With ``kv_rows [B,S]``, k/v are a pool ``[R,K,D]`` and key j of sequence b is its
+  row ``kv_rows[b, j]`` (negative: padding); S is kv_rows' length.
   """
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if len(_shape(x)) != 4:
-      raise ValueError(f"{where}: {name} must be rank 4 ({'[B,T,H,D]' if name == 'q' else '[B,S,K,D]'}),"
-                       f" got shape {_shape(x)}")
+  if len(_shape(q)) != 4:
+    raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {_shape(q)}")
   b, t, h, d = _shape(q)
-  bk, s, kh, dk = _shape(k)
+  pool_rows = None
+  if kv_rows is None:
+    for name, x in (("k", k), ("v", v)):
+      if len(_shape(x)) != 4:
+        raise ValueError(f"{where}: {name} must be rank 4 ([B,S,K,D]), got shape {_shape(x)}")
+    bk, s, kh, dk = _shape(k)
+  else:
+    pool_rows, s, kh, dk = _pool_shape(where, k, v, kv_rows, batch=b)
+    bk = b
   if _shape(v) != _shape(k):
     raise ValueError(f"{where}: v shape {_shape(v)} must equal k shape {_shape(k)}")
   check_query_against_kv(where, _shape(q), kv_batch=bk, kv_heads=kh, kv_head_dim=dk)
+  # Scales follow the K/V layout: one per (key, kv head) of [B,S,K,D], one per (row, kv head) of
+  # a pool [R,K,D].
+  if kv_rows is None:
+    scale_shape, scale_name = (b, s, kh), "[B,S,K]"
+  else:
+    scale_shape, scale_name = (pool_rows, kh), "[R,K]"
   if jnp.dtype(q.dtype) not in [jnp.dtype(x) for x in QUERY_DTYPES]:
     raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q.dtype}")
   if jnp.dtype(k.dtype) != jnp.dtype(v.dtype):
@@ -99,9 +117,10 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   if jnp.dtype(k.dtype) == jnp.dtype(jnp.int8):
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
       if sc is None:
-        raise ValueError(f"{where}: int8 k/v need {name} of shape [B,S,K]={(b, s, kh)}")
-      if _shape(sc) != (b, s, kh):
-        raise ValueError(f"{where}: {name} must have shape [B,S,K]={(b, s, kh)}, got {_shape(sc)}")
+        raise ValueError(f"{where}: int8 k/v need {name} of shape {scale_name}={scale_shape}")
+      if _shape(sc) != scale_shape:
+        raise ValueError(f"{where}: {name} must have shape {scale_name}={scale_shape}, got "
+                         f"{_shape(sc)}")
       if not jnp.issubdtype(sc.dtype, jnp.floating):
         raise ValueError(f"{where}: {name} must be a float array, got {sc.dtype}")
   elif jnp.dtype(k.dtype) in [jnp.dtype(x) for x in FLOAT_KV_DTYPES]:
@@ -126,7 +145,34 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
   scale = attention_options(where, window=window, softcap=softcap, scale=scale, head_dim=d,
                             causal=causal)
   return AttentionArgs(q_pos=q_pos, k_pos=k_pos, scale=scale, batch=b, q_len=t, kv_len=s,
-                       num_heads=h, num_kv_heads=kh, head_dim=d)
+                       num_heads=h, num_kv_heads=kh, head_dim=d,
+                       kv_rows=None if kv_rows is None else _as_int32(kv_rows),
+                       pool_rows=pool_rows)
+
+
+def _pool_shape(where: str, k, v, kv_rows, *, batch: int) -> tuple[int, int, int, int]:
+  """Checks a pool ``k, v [R,K,D]`` and its row table ``kv_rows [B,S]``; returns (R, S, K, D).
+
+  Row values are checked on host data only (:func:`host_values`): reading a device row table
+  back would be a sync per layer and step. A device row >= R reads the pool's last row in every
+  impl (each one clamps, as a jnp gather does), never memory outside the pool."""
+  for name, x in (("k", k), ("v", v)):
+    if len(_shape(x)) != 3:
+      raise ValueError(f"{where}: with kv_rows, {name} must be a rank-3 pool [R,K,D], got shape "
+                       f"{_shape(x)}")
+  r = _shape(k)[0]
+  rows_shape = _shape(kv_rows)
+  if len(rows_shape) != 2 or rows_shape[0] != batch:
+    raise ValueError(f"{where}: kv_rows must have shape [B,S] with B={batch} (q's batch), got "
+                     f"{rows_shape}")
+  check_int_range(where, "kv_rows", kv_rows, INT32_MIN, r - 1,
+                  f"rows of the pool of R={r} rows; negative marks padding")
+  if not jnp.issubdtype(_dtype(kv_rows), jnp.integer):
+    raise ValueError(f"{where}: kv_rows must be an integer array, got {_dtype(kv_rows)}")
+  if r == 0 and rows_shape[1]:
+    # Nothing to read, not even padding's clamped address: refuse rather than index an empty pool.
+    raise ValueError(f"{where}: k is an empty pool (R=0) but kv_rows has S={rows_shape[1]}")
+  return (r, rows_shape[1], *_shape(k)[1:])
 
 
 def _positive_finite(x) -> bool:

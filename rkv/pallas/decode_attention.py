@@ -24,9 +24,17 @@ is laid out to stream K/V at HBM speed, not to save flops:
   on the loaded k_pos makes Triton single-buffer K/V; NaN in empty slots is neutralised after the load.
 - Each split writes a float32 partial (o normalised, lse natural log, -inf when it saw no key); the
   wrapper merges splits exactly with a log-sum-exp weighted sum (the same merge as rkv.merge).
+- Many sequences in one pool (``kv_rows [B,S]``, K/V ``[R_pool,K,D]``): each block of block_k keys
+  first loads its block_k row numbers, then gather-loads those rows of K and V (a pointer tensor of
+  block_k x D addresses: Triton lowers a load indexed by an int array to exactly that, see
+  ``_compute_offsets_from_indices`` in jax's Pallas Triton lowering). One row of one kv head is
+  D contiguous elements (256 B at bf16 D=128, two full 128 B lines), so a row-level gather still
+  moves whole cache lines and needs no page granularity; rows in order coalesce like the dense
+  cache. Padding rows (negative) are masked out of the loads, so they are never fetched. Nothing is
+  gathered into a copy: a copy would read every byte the kernel reads and write it once more.
 
 Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K, D head dim,
-R packed query rows per kv head, N splits along S.
+R packed query rows per kv head, N splits along S; R_pool rows of a shared K/V pool (kv_rows).
 """
 
 from __future__ import annotations
@@ -153,20 +161,23 @@ def _floor_pow2(n: int) -> int:
 
 def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, rows: int,
                    head_dim: int, causal: bool, window: int | None, softcap: float | None,
-                   scale: float, dense_k_pos: bool, quantized: bool, compute_dtype):
+                   scale: float, dense_k_pos: bool, quantized: bool, pooled: bool,
+                   pool_rows: int, compute_dtype):
   """One (batch b, kv head h and row block, split n) program.
 
   Refs (leading block dims squeezed by the BlockSpecs):
     bounds [4] int32: lo, hi (index range of S that may hold visible keys), kmin, kmax (positions a
       visible key can have, kmin >= 0 so that it also rejects empty slots)
     qpos [Rb] int32, q [Rb, Dp] (Rb = block_rows of the R packed rows); kpos [S] int32 (absent when
-    k_pos is the default arange); k, v [S, D]; k_scale, v_scale [S] float32 (int8 only)
+    k_pos is the default arange); kv_rows [S] int32 (pooled only); k, v [S, D], or the pool's
+    [R_pool, D] when pooled; k_scale, v_scale [S] (or [R_pool]) float32 (int8 only)
     outputs: o [Rb, Dp] float32 (normalised within the split), lse [Rb] float32 (natural log)
   ``rows`` = T*G, the packed rows that are real (the rest pad R to a power of two).
   """
   it = iter(refs)
   bounds_ref, qpos_ref, q_ref = next(it), next(it), next(it)
   kpos_ref = None if dense_k_pos else next(it)
+  rows_ref = next(it) if pooled else None
   k_ref, v_ref = next(it), next(it)
   ks_ref, vs_ref = (next(it), next(it)) if quantized else (None, None)
   o_ref, lse_ref = next(it), next(it)
@@ -207,13 +218,37 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     # NaN in empty slots is neutralised after the load: in K by the -inf mask on the logits, in V by
     # a select (p = 0 there, but 0 * NaN = NaN in the dot).
     load_ok = col if dense_k_pos else in_chunk
+    if pooled:
+      # The K/V addresses depend on this load anyway, so masking padding rows out of the K/V loads
+      # adds no pipeline dependency. (With explicit k_pos the wrapper made padding keys empty slots
+      # too, so col already rejects them.) Rows >= R_pool (device tables are not range-checked)
+      # read the last row, as a jnp gather clamps: never memory outside the pool.
+      rows = plgpu.load(rows_ref.at[pl.ds(s0, block_k)], mask=in_chunk, other=-1)
+      row_ok = rows >= 0
+      col = col & row_ok
+      load_ok = load_ok & row_ok
+      rows = jnp.clip(rows, 0, pool_rows - 1)
     kv_mask = load_ok[:, None] if d_ok is None else load_ok[:, None] & d_ok
     kv_cols = pl.ds(0, d_pad)
-    k = plgpu.load(k_ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
+
+    def load_kv(ref):
+      if not pooled:
+        return plgpu.load(ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
+      # A gather: both indices are int arrays of the tile's shape (the interpreter's load takes
+      # all-array or all-slice indices, not a mix; Triton lowers either to one pointer tensor).
+      tile = (block_k, d_pad)
+      row_idx = jnp.broadcast_to(rows[:, None], tile)
+      col_idx = lax.broadcasted_iota(jnp.int32, tile, 1)
+      return plgpu.load(ref.at[row_idx, col_idx], mask=jnp.broadcast_to(kv_mask, tile), other=0)
+
+    def load_scale(ref):
+      return plgpu.load(ref.at[rows if pooled else pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+
+    k = load_kv(k_ref)
     s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
                         precision=precision, preferred_element_type=jnp.float32)  # [R, block_k]
     if quantized:  # int8 K: dequantise the logits column-wise, one multiply per key, not per element.
-      ks = plgpu.load(ks_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+      ks = load_scale(ks_ref)
       s = s * (ks * scale)[None, :]
     else:
       s = s * scale
@@ -231,11 +266,11 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     p = jnp.exp(s - m_shift[:, None])
     alpha = jnp.exp(m_prev - m_shift)
     l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    v = plgpu.load(v_ref.at[pl.ds(s0, block_k), kv_cols], mask=kv_mask, other=0)
+    v = load_kv(v_ref)
     if not dense_k_pos:
       v = jnp.where(col[:, None], v, jnp.zeros_like(v))
     if quantized:  # int8 V: fold the per-key scale into p before the dot.
-      vs = plgpu.load(vs_ref.at[pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+      vs = load_scale(vs_ref)
       p = p * jnp.where(col, vs, 0.0)[None, :]
     pv = lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
                          precision=precision, preferred_element_type=jnp.float32)  # [R, Dp]
@@ -299,11 +334,17 @@ def _key_bounds(q_pos, k_pos, kv_len: int, *, causal: bool, window: int | None):
   return jnp.stack([lo, hi, kmin, kmax], axis=1).astype(jnp.int32)
 
 
-def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
-                     block_sizes: BlockSizes, interpret: bool):
-  """Runs the kernel. Returns o [B, N, K, R, Dp] float32 and lse [B, N, K, R] float32 (packed rows)."""
+def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
+                     softcap, scale, block_sizes: BlockSizes, interpret: bool):
+  """Runs the kernel. Returns o [B, N, K, R, Dp] float32 and lse [B, N, K, R] float32 (packed rows).
+
+  With ``kv_rows`` [B,S], k/v are a pool [R_pool,K,D] (k_scale/v_scale [R_pool,K])."""
   b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  pooled = kv_rows is not None
+  s, kh = (kv_rows.shape[1], k.shape[1]) if pooled else (k.shape[1], k.shape[2])
+  if pooled and k_pos is not None:
+    # Padding keys become empty slots, so that the [lo, hi) bounds skip them too.
+    k_pos = jnp.where(kv_rows < 0, -1, k_pos)
   g = h // kh
   rows = t * g
   r_pad = max(16, _next_pow2(rows))
@@ -331,17 +372,27 @@ def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window,
   if k_pos is not None:
     operands.append(k_pos)
     in_specs.append(pl.BlockSpec((None, s), lambda i, j, n_: (i, 0)))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, n_: (i, 0, j // nrb, 0))
+  if pooled:
+    # Every program sees the whole pool of its kv head; its sequence's row table picks the rows.
+    operands.append(kv_rows)
+    in_specs.append(pl.BlockSpec((None, s), lambda i, j, n_: (i, 0)))
+    r_pool = k.shape[0]
+    kv_spec = pl.BlockSpec((r_pool, None, d), lambda i, j, n_: (0, j // nrb, 0))
+    scale_spec = pl.BlockSpec((r_pool, None), lambda i, j, n_: (0, j // nrb))
+  else:
+    r_pool = 0
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, n_: (i, 0, j // nrb, 0))
+    scale_spec = pl.BlockSpec((None, s, None), lambda i, j, n_: (i, 0, j // nrb))
   operands += [k, v]
   in_specs += [kv_spec, kv_spec]
   if quantized:
     operands += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-    in_specs += [pl.BlockSpec((None, s, None), lambda i, j, n_: (i, 0, j // nrb))] * 2
+    in_specs += [scale_spec] * 2
 
   kernel = functools.partial(
       _decode_kernel, block_k=bk, num_splits=n, num_row_blocks=nrb, rows=rows, head_dim=d,
       causal=causal, window=window, softcap=softcap, scale=scale, dense_k_pos=k_pos is None,
-      quantized=quantized, compute_dtype=cdt)
+      quantized=quantized, pooled=pooled, pool_rows=r_pool, compute_dtype=cdt)
   return pl.pallas_call(
       kernel,
       grid=(b, kh * nrb, n),
@@ -386,13 +437,13 @@ def _merge_splits(o_parts, lse_parts, axis: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
-                          block_sizes, interpret):
+def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
+                          softcap, scale, block_sizes, interpret):
   t, h, d = q.shape[1:]
-  g = h // k.shape[2]
-  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, causal=causal, window=window,
-                                softcap=softcap, scale=scale, block_sizes=block_sizes,
-                                interpret=interpret)
+  g = h // k.shape[-2]  # [B,S,K,D] or a pool [R_pool,K,D]
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows, causal=causal,
+                                window=window, softcap=softcap, scale=scale,
+                                block_sizes=block_sizes, interpret=interpret)
   rows = t * g
   # Merge on the packed layout (drop padded rows/columns first: the slices fuse into the merge).
   o, lse = _merge_splits(o_p[..., :rows, :d], lse_p[..., :rows], axis=1)  # [B, K, rows, D], [B, K, rows]
@@ -400,23 +451,23 @@ def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, wi
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_partials_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal, window, softcap, scale,
-                         block_sizes, interpret):
+def _decode_partials_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
+                         softcap, scale, block_sizes, interpret):
   t, h, d = q.shape[1:]
-  g = h // k.shape[2]
-  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, causal=causal, window=window,
-                                softcap=softcap, scale=scale, block_sizes=block_sizes,
-                                interpret=interpret)
+  g = h // k.shape[-2]
+  o_p, lse_p = _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows, causal=causal,
+                                window=window, softcap=softcap, scale=scale,
+                                block_sizes=block_sizes, interpret=interpret)
   o_p = jnp.moveaxis(_unpack(o_p, t, g, d), 1, 0)  # [N, B, T, H, D]
   lse_p = jnp.moveaxis(_unpack(lse_p, t, g, None), 1, 0)  # [N, B, T, H]
   return o_p, lse_p
 
 
-def _prepare(where, q, k, v, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
-             block_sizes, interpret):
+def _prepare(where, q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, causal, window, softcap,
+             scale, block_sizes, interpret):
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   causal=causal, where=where)
+                                   causal=causal, kv_rows=kv_rows, where=where)
   if args.q_len > MAX_QUERY_LEN:
     raise ValueError(f"{where}: q must have T <= {MAX_QUERY_LEN} query tokens (decode), got shape "
                      f"{tuple(q.shape)}; use flash attention for longer queries")
@@ -431,15 +482,17 @@ def _prepare(where, q, k, v, q_pos, k_pos, k_scale, v_scale, causal, window, sof
       head_dim=max(16, _next_pow2(args.head_dim)), kv_itemsize=jnp.dtype(k.dtype).itemsize)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  operands = (q, k, v, args.q_pos, None if k_pos is None else args.k_pos, k_scale, v_scale)
+  operands = (q, k, v, args.q_pos, None if k_pos is None else args.k_pos, k_scale, v_scale,
+              args.kv_rows)
   static = dict(causal=bool(causal), window=None if window is None else int(window),
                 softcap=None if softcap is None else float(softcap), scale=args.scale,
                 block_sizes=block_sizes, interpret=bool(interpret))
   return operands, static
 
 
-def decode_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
-                     window=None, softcap=None, scale=None, block_sizes: BlockSizes | None = None,
+def decode_attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
+                     causal=True, window=None, softcap=None, scale=None,
+                     block_sizes: BlockSizes | None = None,
                      interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Exact attention of T <= 16 query tokens over S keys, split along S across the GPU.
 
@@ -450,14 +503,18 @@ def decode_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=N
 
   Leave ``k_pos=None`` when positions are the indices: the kernel then derives them from the index
   (no k_pos read, no [B,S] reduction in the wrapper, loads masked by visibility, fewer registers).
+
+  A pool: with ``kv_rows [B,S]`` int32, k/v are ``[R_pool,K,D]`` (scales ``[R_pool,K]``) and key j
+  of sequence b is row ``kv_rows[b, j]``; negative rows are padding (empty slots, never fetched).
+  The kernel gather-loads the rows in place; the result equals the dense call on the gathered rows.
   """
-  operands, static = _prepare("decode_attention", q, k, v, q_pos, k_pos, k_scale, v_scale, causal,
-                              window, softcap, scale, block_sizes, interpret)
+  operands, static = _prepare("decode_attention", q, k, v, kv_rows, q_pos, k_pos, k_scale,
+                              v_scale, causal, window, softcap, scale, block_sizes, interpret)
   return _decode_attention_jit(*operands, **static)
 
 
-def decode_attention_partials(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                              causal=True, window=None, softcap=None, scale=None,
+def decode_attention_partials(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None,
+                              v_scale=None, causal=True, window=None, softcap=None, scale=None,
                               block_sizes: BlockSizes | None = None,
                               interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """The unmerged per-split results of :func:`decode_attention`, for callers that merge them with
@@ -469,8 +526,8 @@ def decode_attention_partials(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, 
   merging all N with the LSE-weighted sum (``rkv.attention.merge_partials``) gives exactly
   :func:`decode_attention`.
   """
-  operands, static = _prepare("decode_attention_partials", q, k, v, q_pos, k_pos, k_scale, v_scale,
-                              causal, window, softcap, scale, block_sizes, interpret)
+  operands, static = _prepare("decode_attention_partials", q, k, v, kv_rows, q_pos, k_pos, k_scale,
+                              v_scale, causal, window, softcap, scale, block_sizes, interpret)
   return _decode_partials_jit(*operands, **static)
 
 
@@ -479,8 +536,8 @@ def decode_attention_partials(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, 
 # ---------------------------------------------------------------------------------------------------
 
 
-def decode_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                               causal=True, window=None, softcap=None,
+def decode_attention_reference(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None,
+                               v_scale=None, causal=True, window=None, softcap=None,
                                scale=None) -> tuple[jax.Array, jax.Array]:
   """Plain-jnp float32 attention with the full [B,T,S] mask; same contract as decode_attention.
 
@@ -488,7 +545,8 @@ def decode_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None,
   """
   from rkv.attention import attention_reference  # lazy: rkv.attention dispatches to this module
   validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
-                            window=window, softcap=softcap, scale=scale,
+                            window=window, softcap=softcap, scale=scale, kv_rows=kv_rows,
                             where="decode_attention_reference")
-  return attention_reference(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
-                             causal=causal, window=window, softcap=softcap, scale=scale)
+  return attention_reference(q, k, v, kv_rows=kv_rows, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                             v_scale=v_scale, causal=causal, window=window, softcap=softcap,
+                             scale=scale)

@@ -19,7 +19,15 @@ Nothing is padded in the wrapper: head dims that are not a power of two (80, 96)
 are not tile multiples are handled by masked loads/stores inside the kernel (Triton needs
 power-of-two tiles), so an aligned call and an unaligned one cost the same HBM traffic.
 
-Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K, D head dim.
+Many sequences in one pool (``kv_rows [B,S]``, K/V ``[R,K,D]``): a KV block loads its block_k row
+numbers, then gather-loads those rows of the pool (Triton lowers a load indexed by int arrays to
+one pointer tensor; a row of one kv head is D contiguous elements, whole cache lines at D >= 64
+bf16). Padding rows (negative) are masked out of the loads and are empty slots; no gathered copy
+of K/V is ever made. Rows >= R (device tables are not range-checked) read the last row, as a jnp
+gather clamps.
+
+Glossary: B batch, T query length, S key/value length, H query heads, K kv heads, G = H/K,
+D head dim, R rows of a shared K/V pool.
 """
 
 from __future__ import annotations
@@ -120,14 +128,18 @@ def _and(a, b):
 def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, *rest,
                   quantized: bool, causal: bool, window: int | None, softcap: float | None,
                   scale: float, head_dim: int, q_len: int, kv_len: int, q_block: int,
-                  block_k: int, skip_interior: bool, count_visits: bool):
+                  block_k: int, skip_interior: bool, count_visits: bool, pooled: bool = False,
+                  pool_rows: int = 0):
   """One program: ``block_q`` query rows of one query head against all KV blocks of its kv head.
 
   Refs (batch and head squeezed): qmeta [4] int32 = (lo, hi, qmin, qmax) of this Q block;
   kmeta [nK, 2] int32 = (kmin, kmax) per KV block; q_pos [block_q]; k_pos [S];
-  q [block_q, Dp]; k, v [S, Dp]; optional k_scale, v_scale [S]; then o [block_q, Dp],
-  lse [block_q], optional visits [] (KV blocks actually computed, for tests).
+  q [block_q, Dp]; k, v [S, Dp] (a pool's [R, Dp] when ``pooled``, then kv_rows [S] int32);
+  optional k_scale, v_scale [S] (or [R]); then o [block_q, Dp], lse [block_q], optional
+  visits [] (KV blocks actually computed, for tests).
   """
+  if pooled:
+    rows_ref, *rest = rest
   if quantized:
     ks_ref, vs_ref, *rest = rest
   o_ref, lse_ref, *rest = rest
@@ -160,19 +172,33 @@ def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_re
   def compute(j, carry):
     acc, m_prev, l_prev, n = carry
     start = j * block_k
-    kv_rows = pl.ds(start, block_k)
+    keys = pl.ds(start, block_k)
     kv_row_ok = None
     if kv_len % block_k:
       kv_row_ok = start + lax.iota(jnp.int32, block_k) < kv_len  # [block_k]
     tile_mask = _and(None if kv_row_ok is None else kv_row_ok[:, None], col_ok)
 
-    k_pos = _masked_load(k_pos_ref.at[kv_rows], kv_row_ok, -1)  # rows past S: empty slots
-    k_ok = k_pos >= 0
-    k = _masked_load(k_ref.at[kv_rows, :], tile_mask, 0)
+    k_pos = _masked_load(k_pos_ref.at[keys], kv_row_ok, -1)  # rows past S: empty slots
+    k_ok = k_pos >= 0  # the wrapper made padding rows empty slots
+    if pooled:
+      rows = _masked_load(rows_ref.at[keys], kv_row_ok, -1)
+      row_ok = rows >= 0  # padding, and keys past S: never fetched
+      rows = jnp.clip(rows, 0, pool_rows - 1)
+      tile = (block_k, d_pad)
+      # All-array indices (the interpreter's load takes all-array or all-slice ones, not a mix).
+      row_idx = jnp.broadcast_to(rows[:, None], tile)
+      col_idx = lax.broadcasted_iota(jnp.int32, tile, 1)
+      gather_mask = jnp.broadcast_to(_and(row_ok[:, None], col_ok), tile)
+      load_kv = lambda ref: plgpu.load(ref.at[row_idx, col_idx], mask=gather_mask, other=0)
+      load_scale = lambda ref: plgpu.load(ref.at[rows], mask=row_ok, other=0.0)
+    else:
+      load_kv = lambda ref: _masked_load(ref.at[keys, :], tile_mask, 0)
+      load_scale = lambda ref: _masked_load(ref.at[keys], kv_row_ok, 0.0)
+    k = load_kv(k_ref)
     s = lax.dot_general(q, k.astype(mm_dtype), (((1,), (1,)), ((), ())),
                         precision=precision, preferred_element_type=jnp.float32)  # [bq, bk]
     if quantized:
-      s = s * _masked_load(ks_ref.at[kv_rows], kv_row_ok, 0.0)[None, :]
+      s = s * load_scale(ks_ref)[None, :]
     if post is None:
       s = s * pre
     else:
@@ -195,11 +221,11 @@ def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_re
     p = jnp.exp2(s - m_shift[:, None])
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
 
-    v = _masked_load(v_ref.at[kv_rows, :], tile_mask, 0)
+    v = load_kv(v_ref)
     if quantized:
       # (p * v_scale) @ v_int8: one scale per key column. A NaN scale in an empty slot would
       # survive p = 0 (0 * NaN), so the scale is zeroed there.
-      vs = _masked_load(vs_ref.at[kv_rows], kv_row_ok, 0.0)
+      vs = load_scale(vs_ref)
       p_v = p * jnp.where(k_ok, vs, 0.0)[None, :]
     else:
       # p = 0 on empty slots is not enough: 0 * NaN = NaN in the dot. Zero their V rows.
@@ -289,11 +315,15 @@ def _block_ranges(q_pos, k_pos, *, block_q: int, block_k: int, causal: bool,
     jax.jit,
     static_argnames=("causal", "window", "softcap", "scale", "block_sizes", "interpret",
                      "count_visits"))
-def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal: bool,
+def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal: bool,
                      window: int | None, softcap: float | None, scale: float,
                      block_sizes: BlockSizes, interpret: bool, count_visits: bool):
   b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  pooled = kv_rows is not None
+  s, kh = (kv_rows.shape[1], k.shape[1]) if pooled else (k.shape[1], k.shape[2])
+  if pooled:
+    # Padding keys become empty slots: masked like holes, skipped by the block ranges.
+    k_pos = jnp.where(kv_rows < 0, -1, k_pos)
   g = h // kh
   quantized = k_scale is not None
   # Short inputs shrink the tiles (not below Triton's 16) instead of computing dead rows.
@@ -315,12 +345,21 @@ def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal: bool,
       pl.BlockSpec((None, block_q), lambda i, j, bi: (bi, rev(i))),               # q_pos
       pl.BlockSpec((None, s), lambda i, j, bi: (bi, 0)),                          # k_pos
       pl.BlockSpec((None, block_q, None, d_pad), lambda i, j, bi: (bi, rev(i), j, 0)),  # q
-      pl.BlockSpec((None, s, None, d_pad), lambda i, j, bi: (bi, 0, j // g, 0)),  # k
-      pl.BlockSpec((None, s, None, d_pad), lambda i, j, bi: (bi, 0, j // g, 0)),  # v
   ]
   args = [qmeta, kmeta, q_pos, k_pos, q, k, v]
-  if quantized:
+  if pooled:
+    # Each program sees its kv head's whole pool; its sequence's row table picks the rows.
+    r_pool = k.shape[0]
+    kv_spec = pl.BlockSpec((r_pool, None, d_pad), lambda i, j, bi: (0, j // g, 0))
+    scale_spec = pl.BlockSpec((r_pool, None), lambda i, j, bi: (0, j // g))
+    in_specs += [kv_spec, kv_spec, pl.BlockSpec((None, s), lambda i, j, bi: (bi, 0))]
+    args.append(kv_rows)
+  else:
+    r_pool = 0
+    kv_spec = pl.BlockSpec((None, s, None, d_pad), lambda i, j, bi: (bi, 0, j // g, 0))
     scale_spec = pl.BlockSpec((None, s, None), lambda i, j, bi: (bi, 0, j // g))
+    in_specs += [kv_spec, kv_spec]
+  if quantized:
     in_specs += [scale_spec, scale_spec]
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
   out_specs = [
@@ -338,7 +377,8 @@ def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal: bool,
     return _flash_kernel(*refs, quantized=quantized, causal=causal, window=window,
                          softcap=softcap, scale=scale, head_dim=d, q_len=t, kv_len=s,
                          q_block=rev(pl.program_id(0)), block_k=block_k,
-                         skip_interior=block_sizes.skip_interior, count_visits=count_visits)
+                         skip_interior=block_sizes.skip_interior, count_visits=count_visits,
+                         pooled=pooled, pool_rows=r_pool)
 
   outs = pl.pallas_call(
       kernel,
@@ -354,11 +394,11 @@ def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, *, causal: bool,
   return tuple(outs)
 
 
-def _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale, block_sizes,
-             interpret):
+def _resolve(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
+             block_sizes, interpret):
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
-                                   where="flash_attention")
+                                   kv_rows=kv_rows, where="flash_attention")
   if block_sizes is None:
     block_sizes = BlockSizes.for_head_dim(args.head_dim)
   elif not isinstance(block_sizes, BlockSizes):
@@ -371,8 +411,8 @@ def _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale, bl
                     block_sizes=block_sizes, interpret=bool(interpret))
 
 
-def flash_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                    causal=True, window=None, softcap=None, scale=None,
+def flash_attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None,
+                    v_scale=None, causal=True, window=None, softcap=None, scale=None,
                     block_sizes: BlockSizes | None = None,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Exact attention of q [B,T,H,D] over k/v [B,S,K,D] by positions; returns (o, lse).
@@ -380,21 +420,23 @@ def flash_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=No
   ``o`` [B,T,H,D] has q's dtype; ``lse`` [B,T,H] is float32 natural log; rows that see no key
   give ``o = 0``, ``lse = -inf``. K/V may be int8 with ``k_scale``/``v_scale`` [B,S,K].
   ``interpret=None`` interprets on a CPU backend. ``block_sizes=None`` picks
-  ``BlockSizes.for_head_dim(D)``.
+  ``BlockSizes.for_head_dim(D)``. With ``kv_rows [B,S]`` int32, k/v are a pool ``[R,K,D]``
+  (scales ``[R,K]``) and key j of sequence b is row ``kv_rows[b, j]`` (negative: padding, an
+  empty slot never fetched); the kernel gather-loads the rows in place.
   """
   validation.check_causal("flash_attention", causal)
-  args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
-                          block_sizes, interpret)
+  args, static = _resolve(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, window, softcap,
+                          scale, block_sizes, interpret)
   if args.kv_len == 0:  # no KV blocks to tile: the no-key answer, as every backend gives it
     return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  o, lse = _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,
+  o, lse = _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, args.kv_rows,
                             causal=bool(causal), count_visits=False, **static)
   return o, lse
 
 
-def flash_attention_block_visits(q, k, v, *, q_pos=None, k_pos=None, k_scale=None,
-                                 v_scale=None, causal=True, window=None, softcap=None,
-                                 scale=None, block_sizes: BlockSizes | None = None,
+def flash_attention_block_visits(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None,
+                                 k_scale=None, v_scale=None, causal=True, window=None,
+                                 softcap=None, scale=None, block_sizes: BlockSizes | None = None,
                                  interpret: bool | None = None):
   """Like :func:`flash_attention`, plus visits [B,H,nQ] int32: KV blocks each program computed.
 
@@ -402,17 +444,17 @@ def flash_attention_block_visits(q, k, v, *, q_pos=None, k_pos=None, k_scale=Non
   computes about half of the nQ * nK blocks).
   """
   validation.check_causal("flash_attention", causal)
-  args, static = _resolve(q, k, v, q_pos, k_pos, k_scale, v_scale, window, softcap, scale,
-                          block_sizes, interpret)
-  return _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale,
+  args, static = _resolve(q, k, v, kv_rows, q_pos, k_pos, k_scale, v_scale, window, softcap,
+                          scale, block_sizes, interpret)
+  return _flash_attention(q, k, v, args.q_pos, args.k_pos, k_scale, v_scale, args.kv_rows,
                           causal=bool(causal), count_visits=True, **static)
 
 
 # --------------------------------------------------------------------------------------------
 # (4) Reference
 # --------------------------------------------------------------------------------------------
-def flash_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
-                              causal=True, window=None, softcap=None,
+def flash_attention_reference(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=None,
+                              v_scale=None, causal=True, window=None, softcap=None,
                               scale=None) -> tuple[jax.Array, jax.Array]:
   """Plain-jnp float32 attention with the full [B,T,S] mask: same contract as the kernel.
 
@@ -420,7 +462,8 @@ def flash_attention_reference(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, 
   """
   from rkv.attention import attention_reference  # lazy: rkv.attention dispatches to this module
   validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
-                            window=window, softcap=softcap, scale=scale,
+                            window=window, softcap=softcap, scale=scale, kv_rows=kv_rows,
                             where="flash_attention_reference")
-  return attention_reference(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
-                             causal=causal, window=window, softcap=softcap, scale=scale)
+  return attention_reference(q, k, v, kv_rows=kv_rows, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
+                             v_scale=v_scale, causal=causal, window=window, softcap=softcap,
+                             scale=scale)

@@ -563,15 +563,16 @@ def _is_hopper() -> bool:
 
 def unsupported_reason(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                        causal=True, window=None, softcap=None, scale=None,
-                       block_sizes=None) -> str | None:
+                       block_sizes=None, kv_rows=None) -> str | None:
   """Why :func:`flash_attention_mgpu` cannot compute this ``rkv.attention`` call exactly, or
   None if it can on a Hopper GPU. Looks at options, shapes and dtypes only, never at values,
   so it runs on any backend. Explicit positions and windows are taken; int8 K/V and softcap
-  stay on the generic kernel.
+  stay on the generic kernel, and so do pools (``kv_rows``): this kernel's TMA copies move
+  contiguous [block, D] tiles of one sequence, not rows gathered through a table.
   """
   del scale  # any scale is supported
   for name, val in (("k_scale", k_scale), ("v_scale", v_scale), ("softcap", softcap),
-                    ("block_sizes", block_sizes)):
+                    ("block_sizes", block_sizes), ("kv_rows", kv_rows)):
     if val is not None:
       return f"supports: {name} must be None for the Mosaic GPU path, got a value"
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -583,11 +584,11 @@ def unsupported_reason(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale
 
 
 def supports(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, causal=True,
-             window=None, softcap=None, scale=None, block_sizes=None) -> bool:
+             window=None, softcap=None, scale=None, block_sizes=None, kv_rows=None) -> bool:
   """Whether :func:`flash_attention_mgpu` computes exactly this ``rkv.attention`` call here.
 
   False (the caller uses the generic kernel) off a Hopper GPU, and for every case
-  :func:`unsupported_reason` names: int8 K/V, softcap, float32, head dims outside
+  :func:`unsupported_reason` names: a pool (kv_rows), int8 K/V, softcap, float32, head dims outside
   {64, 128, 256}, lengths that are not block multiples, causal T > S with default positions,
   explicit block sizes.
   """
@@ -595,4 +596,4 @@ def supports(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None, cau
     return False
   return unsupported_reason(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                             v_scale=v_scale, causal=causal, window=window, softcap=softcap,
-                            scale=scale, block_sizes=block_sizes) is None
+                            scale=scale, block_sizes=block_sizes, kv_rows=kv_rows) is None
