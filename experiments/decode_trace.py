@@ -28,7 +28,7 @@ import time
 from absl import app, flags
 
 import rkv  # noqa: F401  (first: rkv sets the device memory fraction before JAX starts)
-from experiments.trace_summary import summarize
+from lab.trace_summary import summarize
 from rkv import benchmarking
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "Model preset (random weights).")
