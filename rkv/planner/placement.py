@@ -182,6 +182,26 @@ class Plan:
     return self.table()
 
 
+def check_profile_device(profile, device_kind: str | None = None) -> bool:
+  """Logs which profile plans, and warns when it was measured on another kind of device than
+  the one planned for (``device_kind``, default device 0's): its rates and fixed costs are then
+  another machine's, and the tactic table may be wrong (``rkv calibrate`` or
+  ``experiments/probe.py`` measures this one). Returns whether the kinds match (True when either
+  is unknown)."""
+  if device_kind is None:
+    import jax
+    device_kind = getattr(jax.devices()[0], "device_kind", "") or ""
+  log.info("plan: profile %s (measured on %s)", profile.source or "<unnamed>",
+           profile.device or "an unrecorded device")
+  if not profile.device or not device_kind or profile.device == device_kind:
+    return True
+  warnings.warn(f"plan: the profile ({profile.source or 'unnamed'}) was measured on "
+                f"{profile.device!r}, but this device is {device_kind!r}: its rates and fixed "
+                f"costs are another machine's; run `rkv calibrate` to measure this one",
+                stacklevel=3)
+  return False
+
+
 def plan(model_config, context_len: int, batch: int = 1, *,
          residency: ResidencyConfig | None = None, memory_stats: Mapping | None = None) -> Plan:
   """Places every layer's KV cache within the budget and names its tactic (module docstring).
@@ -204,6 +224,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
       raise ValueError(f"plan: {name} must be a positive int, got {val!r}")
   shape = attention_shape(model_config, cfg.kv_dtype)
   profile = cfg.resolve_profile()
+  check_profile_device(profile)
   sz = cell_sizes(shape, batch)
   from rkv.offload import memory
   explicit = bool(cfg.vram_target_mib)

@@ -1,0 +1,37 @@
+"""The planner says which profile it plans with, and warns when that profile was measured on
+another kind of device than the one it plans for."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import pytest
+
+import rkv
+from rkv.planner import placement
+
+
+def test_warns_on_another_device_kind():
+  prof = rkv.residency.H200_DEFAULT
+  with pytest.warns(UserWarning, match="measured on 'NVIDIA H200', but this device is 'cpu'"):
+    assert not placement.check_profile_device(prof, device_kind="cpu")
+
+
+@pytest.mark.parametrize("profile_device,device_kind", [
+    ("NVIDIA H200", "NVIDIA H200"), ("", "cpu"), ("NVIDIA H200", "")])
+def test_silent_when_the_kinds_match_or_one_is_unknown(profile_device, device_kind):
+  prof = dataclasses.replace(rkv.residency.H200_DEFAULT, device=profile_device)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert placement.check_profile_device(prof, device_kind=device_kind)
+
+
+def test_plan_logs_its_profile(caplog):
+  cfg = rkv.models.ModelConfig.preset("tiny-llama", dtype="float32")
+  with caplog.at_level(logging.INFO, logger="rkv.planner"):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # on CPU the default H200 profile warns (tested above)
+      rkv.plan(cfg, 512, 1, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
+  assert any("profile H200_DEFAULT" in r.getMessage() for r in caplog.records)
