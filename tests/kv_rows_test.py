@@ -24,6 +24,7 @@ from rkv.pallas import decode_attention as da
 from rkv.pallas import flash_attention as fa
 from rkv.pallas import flash_attention_mgpu as fm
 from tests import numpy_reference
+from tests.support.triton_ir import record_verified_lowerings
 
 # Named tolerances (absolute, relative), the same as tests/attention_test.py: float32 accumulation
 # over a few dozen keys lands near 1e-6; 16-bit inputs round o and feed P to the PV dot in that
@@ -329,24 +330,7 @@ TRITON_CONFIGS = [
 @pytest.mark.parametrize("config", TRITON_CONFIGS,
                          ids=lambda c: f"{c[0]}_d{c[2]}_{jnp.dtype(c[3]).name}")
 def test_pool_kernels_lower_to_verified_triton_ir(config, monkeypatch):
-  # The same private hooks as tests/pallas_flash_attention_test.py (the only way to name a GPU
-  # on a CPU host); skips if they moved.
-  try:
-    from jax._src.pallas.triton import gpu_info, lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
-  except ImportError as e:
-    pytest.skip(f"jax's Pallas Triton internals moved: {e}")
-  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-  verified = []
-  lower_module = lowering.lower_jaxpr_to_triton_module
-
-  def lower_and_verify(*args, **kwargs):
-    result = lower_module(*args, **kwargs)
-    verified.append(result.module.operation.verify())
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+  verified = record_verified_lowerings(monkeypatch)
   kernel, t, d, kv_dt, opts = config
   b, s, h, kh, r = 2, 300, 8, 2, 1000
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)

@@ -16,6 +16,7 @@ import pytest
 from rkv.pallas import flash_attention as fa
 from tests import numpy_reference
 from tests.support.tolerances import TOLERANCES
+from tests.support.triton_ir import record_verified_lowerings
 
 TINY = fa.BlockSizes(block_q=16, block_k=16)
 
@@ -284,22 +285,7 @@ TRITON_CONFIGS = [
 def test_lowers_to_verified_triton_ir(config, monkeypatch):
   # Catches what interpret mode cannot: non-power-of-two tiles, unsupported primitives, bad dot
   # operands. Uses private jax hooks (the only way to name a GPU on a CPU host); skips if moved.
-  try:
-    from jax._src.pallas.triton import gpu_info, lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
-  except ImportError as e:
-    pytest.skip(f"jax's Pallas Triton internals moved: {e}")
-  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-  verified = []
-  lower_module = lowering.lower_jaxpr_to_triton_module
-
-  def lower_and_verify(*args, **kwargs):
-    result = lower_module(*args, **kwargs)
-    verified.append(result.module.operation.verify())
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+  verified = record_verified_lowerings(monkeypatch)
   b, t, s, h, kh, d, q_dt, kv_dt, opts = config
   opts = dict(opts)
   q = jax.ShapeDtypeStruct((b, t, h, d), q_dt)
