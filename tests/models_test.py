@@ -246,6 +246,27 @@ def test_load_hf_missing_or_misshapen_tensor(tmp_path):
     models.load_hf(path)
 
 
+def test_fused_projections_round_trip_and_refuse_a_partial_fill():
+  """q/k/v and gate/up load into one fused parameter each: model_tensors splits them back to the
+  checkpoint's tensors bit for bit, and a weight map that leaves columns unfilled raises."""
+  from rkv.models import hf
+  path = os.path.join(FIXTURES, "qwen2")  # sharded, with q/k/v biases
+  src = {}
+  for file in hf.checkpoint_files(path):
+    src.update(models.read_safetensors(file))
+  model = models.load_hf(path)
+  back = models.model_tensors(model)
+  assert sorted(back) == sorted(n for n in src if n != "lm_head.weight" or
+                                not model.config.tie_embeddings)
+  for name, x in back.items():
+    np.testing.assert_array_equal(x, np.asarray(src[name], np.float32), err_msg=name)
+  mapping = [s for s in models.hf_weight_map(model.config)
+             if s.name != "model.layers.1.self_attn.v_proj.bias"]
+  with pytest.raises(ValueError, match=r"layers\.1\.attn\.qkv_proj\.bias got \d+ of its \d+ "
+                                       r"columns"):
+    hf.model_from_tensors(model.config, src, mapping, where="test")
+
+
 def test_safetensors_roundtrip(tmp_path):
   tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
              "b": np.array([1.5, -2.0], dtype=jnp.bfloat16),
@@ -269,7 +290,7 @@ def test_hf_weight_map_names_every_parameter():
     cfg = ModelConfig.preset(name)
     abstract = nnx.eval_shape(lambda: models.Transformer(cfg, rngs=nnx.Rngs(0)))
     params = {tuple(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
-    mapped = {p for _, p, _ in models.hf_weight_map(cfg)}
+    mapped = {s.path for s in models.hf_weight_map(cfg)}
     assert mapped == params, name
 
 

@@ -3,8 +3,8 @@ checkpoint loading, GGUF files (``load_gguf``: model and tokenizer). See :mod:`r
 
 from rkv.models import kv
 from rkv.models.config import PRESETS, ModelConfig, RopeConfig
-from rkv.models.hf import (hf_weight_map, load_config, load_hf, load_tokenizer, read_safetensors,
-                           save_safetensors)
+from rkv.models.hf import (WeightSlot, hf_weight_map, load_config, load_hf, load_tokenizer,
+                           model_tensors, read_safetensors, save_safetensors)
 from rkv.models.tokenizer import ChatTokenizer
 from rkv.models.gguf_loader import config_from_gguf, load_gguf, smollm2_path
 from rkv.models.kv import LayerCache, ResidentCache, RingCache, attend, init_caches
@@ -13,4 +13,5 @@ from rkv.models.transformer import Transformer, jit_forward, layered_forward
 __all__ = ["ChatTokenizer", "LayerCache", "PRESETS", "ModelConfig", "ResidentCache", "RingCache",
            "RopeConfig", "Transformer", "attend", "config_from_gguf", "hf_weight_map",
            "init_caches", "jit_forward", "kv", "layered_forward", "load_config", "load_gguf",
-           "load_hf", "load_tokenizer", "read_safetensors", "save_safetensors", "smollm2_path"]
+           "load_hf", "load_tokenizer", "model_tensors", "read_safetensors", "save_safetensors",
+           "smollm2_path", "WeightSlot"]

@@ -13,10 +13,12 @@ kernels ``[in, out]``, so projections are transposed):
 | HF name                                         | parameter                                  |
 | ----------------------------------------------- | ------------------------------------------ |
 | ``P embed_tokens.weight``                       | ``embed.embedding``                        |
-| ``P layers.i.self_attn.{q,k,v,o}_proj.weight``  | ``layers.i.attn.{q,k,v,o}_proj.kernel`` (T) |
-| ``P layers.i.self_attn.{q,k,v,o}_proj.bias``    | ``layers.i.attn.{q,k,v,o}_proj.bias``      |
+| ``P layers.i.self_attn.{q,k,v}_proj.weight``    | ``layers.i.attn.qkv_proj.kernel`` (T, columns q, k, v) |
+| ``P layers.i.self_attn.{q,k,v}_proj.bias``      | ``layers.i.attn.qkv_proj.bias`` (same columns) |
+| ``P layers.i.self_attn.o_proj.{weight,bias}``   | ``layers.i.attn.o_proj.{kernel (T),bias}`` |
 | ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Gemma-3) |
-| ``P layers.i.mlp.{gate,up,down}_proj.weight``   | ``layers.i.mlp.{gate,up,down}_proj.kernel`` (T) |
+| ``P layers.i.mlp.{gate,up}_proj.weight``        | ``layers.i.mlp.gate_up_proj.kernel`` (T, columns gate, up) |
+| ``P layers.i.mlp.down_proj.weight``             | ``layers.i.mlp.down_proj.kernel`` (T)      |
 | ``P layers.i.input_layernorm.weight``           | ``layers.i.attn_norm.scale``               |
 | ``P layers.i.post_attention_layernorm.weight``  | Llama: ``layers.i.mlp_norm.scale``; Gemma: ``layers.i.attn_post_norm.scale`` |
 | ``P layers.i.pre_feedforward_layernorm.weight`` | ``layers.i.mlp_norm.scale`` (Gemma)        |
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -235,44 +238,80 @@ def load_config(path: str, *, dtype=None) -> ModelConfig:
   return ModelConfig.from_hf(d, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
 
 
-def hf_weight_map(config: ModelConfig, prefix: str = "model.") -> list[tuple[str, tuple, bool]]:
-  """``[(hf_name, parameter path, transpose)]`` for every parameter of the model (the lm_head
-  entry names ``lm_head.weight``)."""
+class WeightSlot(NamedTuple):
+  """Where one checkpoint tensor goes: the tensor ``name``, the model parameter ``path`` it fills,
+  ``transpose`` (an HF ``[out, in]`` linear weight into an NNX ``[in, out]`` kernel), and
+  ``columns``: the ``[start, stop)`` range of the parameter's last axis it fills (the fused q/k/v
+  and gate/up projections hold several checkpoint tensors side by side), None for all of it."""
+
+  name: str
+  path: tuple
+  transpose: bool
+  columns: tuple[int, int] | None = None
+
+
+def hf_weight_map(config: ModelConfig, prefix: str = "model.") -> list[WeightSlot]:
+  """A :class:`WeightSlot` for every checkpoint tensor of the model (the lm_head entry names
+  ``lm_head.weight``); together they fill every parameter exactly once."""
   gemma = config.sandwich_norms
-  out = [(f"{prefix}embed_tokens.weight", ("embed", "embedding"), False),
-         (f"{prefix}norm.weight", ("final_norm", "scale"), False)]
+  out = [WeightSlot(f"{prefix}embed_tokens.weight", ("embed", "embedding"), False),
+         WeightSlot(f"{prefix}norm.weight", ("final_norm", "scale"), False)]
   if not config.tie_embeddings:
-    out.append(("lm_head.weight", ("lm_head", "kernel"), True))
+    out.append(WeightSlot("lm_head.weight", ("lm_head", "kernel"), True))
+  d = config.head_dim
+  qkv = _column_ranges((("q", config.num_heads * d), ("k", config.num_kv_heads * d),
+                        ("v", config.num_kv_heads * d)))
+  gate_up = _column_ranges((("gate", config.intermediate_size), ("up", config.intermediate_size)))
   for i in range(config.num_layers):
     hf, me = f"{prefix}layers.{i}.", ("layers", i)
-    for p, bias in (("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
-                    ("o", config.o_bias)):
-      out.append((f"{hf}self_attn.{p}_proj.weight", me + ("attn", f"{p}_proj", "kernel"), True))
-      if bias:
-        out.append((f"{hf}self_attn.{p}_proj.bias", me + ("attn", f"{p}_proj", "bias"), False))
+    for p, cols in qkv.items():
+      out.append(WeightSlot(f"{hf}self_attn.{p}_proj.weight", me + ("attn", "qkv_proj", "kernel"),
+                            True, cols))
+      if config.qkv_bias:
+        out.append(WeightSlot(f"{hf}self_attn.{p}_proj.bias", me + ("attn", "qkv_proj", "bias"),
+                              False, cols))
+    out.append(WeightSlot(f"{hf}self_attn.o_proj.weight", me + ("attn", "o_proj", "kernel"), True))
+    if config.o_bias:
+      out.append(WeightSlot(f"{hf}self_attn.o_proj.bias", me + ("attn", "o_proj", "bias"), False))
     if config.qk_norm:
       for p in ("q", "k"):
-        out.append((f"{hf}self_attn.{p}_norm.weight", me + ("attn", f"{p}_norm", "scale"), False))
-    for p in ("gate", "up", "down"):
-      out.append((f"{hf}mlp.{p}_proj.weight", me + ("mlp", f"{p}_proj", "kernel"), True))
+        out.append(WeightSlot(f"{hf}self_attn.{p}_norm.weight", me + ("attn", f"{p}_norm", "scale"),
+                              False))
+    for p, cols in gate_up.items():
+      out.append(WeightSlot(f"{hf}mlp.{p}_proj.weight", me + ("mlp", "gate_up_proj", "kernel"),
+                            True, cols))
       if config.mlp_bias:
-        out.append((f"{hf}mlp.{p}_proj.bias", me + ("mlp", f"{p}_proj", "bias"), False))
-    out.append((f"{hf}input_layernorm.weight", me + ("attn_norm", "scale"), False))
+        out.append(WeightSlot(f"{hf}mlp.{p}_proj.bias", me + ("mlp", "gate_up_proj", "bias"),
+                              False, cols))
+    out.append(WeightSlot(f"{hf}mlp.down_proj.weight", me + ("mlp", "down_proj", "kernel"), True))
+    if config.mlp_bias:
+      out.append(WeightSlot(f"{hf}mlp.down_proj.bias", me + ("mlp", "down_proj", "bias"), False))
+    out.append(WeightSlot(f"{hf}input_layernorm.weight", me + ("attn_norm", "scale"), False))
     if gemma:
-      out += [(f"{hf}post_attention_layernorm.weight", me + ("attn_post_norm", "scale"), False),
-              (f"{hf}pre_feedforward_layernorm.weight", me + ("mlp_norm", "scale"), False),
-              (f"{hf}post_feedforward_layernorm.weight", me + ("mlp_post_norm", "scale"), False)]
+      out += [WeightSlot(f"{hf}post_attention_layernorm.weight", me + ("attn_post_norm", "scale"),
+                         False),
+              WeightSlot(f"{hf}pre_feedforward_layernorm.weight", me + ("mlp_norm", "scale"), False),
+              WeightSlot(f"{hf}post_feedforward_layernorm.weight", me + ("mlp_post_norm", "scale"),
+                         False)]
     else:
-      out.append((f"{hf}post_attention_layernorm.weight", me + ("mlp_norm", "scale"), False))
+      out.append(WeightSlot(f"{hf}post_attention_layernorm.weight", me + ("mlp_norm", "scale"),
+                            False))
   return out
 
 
-def _set(tree: dict, path: tuple, value):
-  for p in path[:-1]:
+def _column_ranges(widths) -> dict[str, tuple[int, int]]:
+  """``{name: (start, stop)}`` of parts laid side by side in ``widths`` order."""
+  out, start = {}, 0
+  for name, width in widths:
+    out[name] = (start, start + width)
+    start += width
+  return out
+
+
+def _get(tree: dict, path: tuple):
+  for p in path:
     tree = tree[p]
-  if path[-1] not in tree:
-    raise KeyError(path)
-  tree[path[-1]] = value
+  return tree
 
 
 def _check_layer_count(where: str, config: ModelConfig, prefix: str, tensors) -> None:
@@ -309,9 +348,9 @@ def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
   mapping = hf_weight_map(config, prefix)
   if not config.tie_embeddings:
     head = next((h for h in _HEAD_NAMES if h in tensors), _HEAD_NAMES[0])
-    mapping = [(head if n == "lm_head.weight" else n, p, t) for n, p, t in mapping]
+    mapping = [s._replace(name=head) if s.name == "lm_head.weight" else s for s in mapping]
   _check_layer_count(where, config, prefix, tensors)
-  missing = [n for n, _, _ in mapping if n not in tensors]
+  missing = [s.name for s in mapping if s.name not in tensors]
   if missing:
     more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
     raise ValueError(f"{where}: missing tensors for {config.family} ({len(missing)}): "
@@ -321,28 +360,59 @@ def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
 
 def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
                        impl: str = "auto") -> Transformer:
-  """A :class:`Transformer` of ``config`` whose parameters are ``tensors[name]`` for each
-  ``(name, parameter path, transpose)`` of ``mapping`` (:func:`hf_weight_map`'s layout: HF
-  ``[out, in]`` linear weights, transposed into NNX ``[in, out]`` kernels), cast to the
-  parameters' dtype. Shared by :func:`load_hf` and :func:`rkv.models.load_gguf`; a misshapen
-  tensor raises ``ValueError`` prefixed with ``where``."""
+  """A :class:`Transformer` of ``config`` whose parameters are filled from ``tensors[name]`` for
+  each :class:`WeightSlot` of ``mapping`` (:func:`hf_weight_map`'s layout), cast to the
+  parameters' dtype. Each parameter is assembled (transposed, fused) in host memory and copied to
+  the device once. Shared by :func:`load_hf` and :func:`rkv.models.load_gguf`; a misshapen
+  tensor, or a parameter the mapping leaves partly unfilled, raises ``ValueError`` prefixed with
+  ``where``."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), impl=impl))
   graphdef, state = nnx.split(abstract)
   values = nnx.to_pure_dict(state)
-  for name, ppath, transpose in mapping:
-    want = values
-    for p in ppath:
-      want = want[p]
-    arr = tensors[name]
-    shape = arr.shape[::-1] if transpose else arr.shape
-    if tuple(shape) != tuple(want.shape):
-      got = tuple(arr.shape)
-      raise ValueError(f"{where}: tensor {name!r} has shape {got}, expected "
-                       f"{tuple(want.shape[::-1]) if transpose else tuple(want.shape)}")
-    x = jnp.asarray(np.asarray(arr)).astype(want.dtype)
-    _set(values, ppath, x.T if transpose else x)
+  host: dict[tuple, np.ndarray] = {}    # parameter path -> its host buffer
+  filled: dict[tuple, int] = {}         # parameter path -> columns filled so far
+  for slot in mapping:
+    want = _get(values, slot.path)
+    cols = (0, want.shape[-1]) if slot.columns is None else slot.columns
+    part = tuple(want.shape[:-1]) + (cols[1] - cols[0],)
+    arr = tensors[slot.name]
+    shape = arr.shape[::-1] if slot.transpose else arr.shape
+    if tuple(shape) != part:
+      raise ValueError(f"{where}: tensor {slot.name!r} has shape {tuple(arr.shape)}, expected "
+                       f"{part[::-1] if slot.transpose else part}")
+    buf = host.get(slot.path)
+    if buf is None:
+      buf = host[slot.path] = np.empty(want.shape, np.dtype(want.dtype))
+    x = np.asarray(arr)
+    buf[..., cols[0]:cols[1]] = x.T if slot.transpose else x   # transposed and cast on the host
+    filled[slot.path] = filled.get(slot.path, 0) + part[-1]
+  for ppath, buf in host.items():
+    if filled[ppath] != buf.shape[-1]:
+      raise ValueError(f"{where}: parameter {'.'.join(map(str, ppath))} got {filled[ppath]} of "
+                       f"its {buf.shape[-1]} columns from the checkpoint")
+    tree = values
+    for p in ppath[:-1]:
+      tree = tree[p]
+    tree[ppath[-1]] = jnp.asarray(buf)
+  unfilled = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(state) if tuple(p) not in host]
+  if unfilled:
+    raise ValueError(f"{where}: the weight map leaves parameters unfilled: {unfilled[:8]}")
   nnx.replace_by_pure_dict(state, values)
   return nnx.merge(graphdef, state)
+
+
+def model_tensors(model: Transformer, prefix: str = "model.") -> dict[str, np.ndarray]:
+  """The inverse of :func:`model_from_tensors`: ``{hf_name: float32 array}`` of ``model`` in the
+  checkpoint layout of :func:`hf_weight_map` (the fused projections split back, kernels
+  transposed to ``[out, in]``), as :func:`save_safetensors` writes them."""
+  values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  out = {}
+  for slot in hf_weight_map(model.config, prefix):
+    x = np.asarray(_get(values, slot.path), np.float32)
+    if slot.columns is not None:
+      x = x[..., slot.columns[0]:slot.columns[1]]
+    out[slot.name] = np.ascontiguousarray(x.T if slot.transpose else x)
+  return out
 
 
 def load_tokenizer(path: str):

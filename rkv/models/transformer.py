@@ -8,7 +8,7 @@ One block, switched by :class:`~rkv.models.config.ModelConfig` (no subclass per 
       h = mlp(norm(x))   -> [post_ffw_norm(h)]   x = x + h
     logits = final_norm(x) @ W_out [softcap]                        # tied: W_out = embedding^T
 
-Attention: q/k/v projections (+ bias: Qwen2), [q/k RMSNorm: Gemma-3], RoPE from the layer's
+Attention: the fused q/k/v projection (+ bias: Qwen2), [q/k RMSNorm: Gemma-3], RoPE from the layer's
 positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear 8), then
 :func:`rkv.attention` with ``q_pos``/``k_pos`` = positions, the layer's ``window``, the attention
 softcap and the scale ``query_pre_attn_scalar ** -0.5`` (else ``head_dim ** -0.5``). With caches,
@@ -91,9 +91,10 @@ class Attention(nnx.Module):
     self.softcap = cfg.attn_softcap
     self.scale = cfg.attn_scale
     h, d = cfg.hidden_size, cfg.head_dim
-    self.q_proj = _linear(cfg, h, cfg.num_heads * d, cfg.qkv_bias, rngs)
-    self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
-    self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+    # q, k and v are one projection (columns [q | k | v], see hf_weight_map): at decode (M=1)
+    # XLA turned the separate k and v projections into reduce fusions at 0.78 TB/s (11 us each
+    # for 8 MB on the H200, decode_trace_h200.json), and each projection was a launch of its own.
+    self.qkv_proj = _linear(cfg, h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=cfg.dtype)
@@ -104,9 +105,11 @@ class Attention(nnx.Module):
   def project(self, x, rope_cs):
     """``x [B,T,hidden]`` -> ``q [B,T,H,D], k, v [B,T,K,D]`` (biases, q/k norms, RoPE applied)."""
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    q, k, v = jnp.split(self.qkv_proj(x), (nq, nq + nk), axis=-1)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v
@@ -122,21 +125,24 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """Gated MLP: ``down(act(gate(x)) * up(x))``; SwiGLU (silu) or GeGLU (gelu tanh)."""
+  """Gated MLP: ``down(act(gate(x)) * up(x))``; SwiGLU (silu) or GeGLU (gelu tanh); gate and up
+  are the two column halves of ``gate_up_proj``."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.activation = cfg.activation
-    self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, rngs)
-    self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, rngs)
+    # gate and up are one projection (columns [gate | up]): one weight read and
+    # one launch instead of two.
+    self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                rngs)
     self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, rngs)
 
   def __call__(self, x):
-    g = self.gate_proj(x)
+    g, u = jnp.split(self.gate_up_proj(x), 2, axis=-1)
     if self.activation == "silu":
       g = jax.nn.silu(g)
     else:
       g = jax.nn.gelu(g, approximate=self.activation == "gelu_tanh")
-    return self.down_proj(g * self.up_proj(x))
+    return self.down_proj(g * u)
 
 
 class Block(nnx.Module):
