@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -377,8 +378,17 @@ def _split_flat(node):
   return graphdef, treedef, leaves
 
 
+def _fused_default() -> bool:
+  from rkv.models import fused_decode
+  env = os.environ.get(fused_decode.FUSED_ENV, "1").strip().lower()
+  if env not in ("0", "1", "false", "true", "off", "on"):
+    raise ValueError(f"${fused_decode.FUSED_ENV} must be 0/1 (false/true, off/on), got {env!r}")
+  return env in ("1", "true", "on")
+
+
 def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
-                    schedule: str | None = None, prefetch_tiles: int | None = None):
+                    schedule: str | None = None, prefetch_tiles: int | None = None,
+                    fused: bool | None = None):
   """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
   as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
   with a *static* fill (``jittable`` False: a :class:`rkv.RollingKV` whatever its tactic, a
@@ -407,6 +417,12 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   requests its own tiles; on the H200 the host, not the link, bounds the offloaded step, and the
   prefetcher measured slower: see that constant). They are device memory on top of the plan's
   (the planner's reserve counts them when ``ResidencyConfig.prefetch_tiles`` says so).
+
+  ``fused``: run a decode step's rolling layers as two programs a layer plus the CPU kernel
+  (:mod:`rkv.models.fused_decode`: the merge, ``post_attention``, the next ``pre_attention`` and
+  the append in one program; the device partials in another) instead of the general path's
+  eight dispatches; the same cells and tactic split, merged in another order. Default
+  ``$RKV_FUSED_DECODE`` (1 unless set to 0). Prefill chunks always take the general path.
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
@@ -415,10 +431,14 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   cfg = model.config
   edge_def, edge_tree, edge_leaves = _split_flat((model.embed, model.final_norm, model.lm_head))
   enter, leave = _edge_programs(cfg, edge_def, edge_tree)
-  blocks = []
+  blocks, block_defs = [], []
   for layer in model.layers:
     graphdef, treedef, leaves = _split_flat(layer)
     blocks.append((_block_programs(graphdef, treedef), leaves))
+    block_defs.append((graphdef, treedef))
+  fused = _fused_default() if fused is None else bool(fused)
+  if fused:
+    from rkv.models import fused_decode
   attn_kw = [layer.attn.attention_kwargs(impl) for layer in model.layers]
   if schedule is not None:
     attn_kw = [dict(kw, schedule=schedule) for kw in attn_kw]
@@ -448,8 +468,18 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
+    chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
+             if fused else None)
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
+      step = (fused_decode.plan_step(cache, tokens.shape[1], prefetching=prefetcher is not None)
+              if chain is not None else None)
+      if step is not None:
+        new_caches.append(chain.layer(i, block_defs[i], leaves, x, rope_cs, cache, step,
+                                      attn_kw[i]))
+        continue
+      if chain is not None:
+        x = chain.close(x)
       if cache.jittable:  # resident and ring caches: the whole layer is one program
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
@@ -466,6 +496,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         with jax.profiler.TraceAnnotation("rkv.layer.post"):
           x = post(leaves, x, o)
       new_caches.append(cache)
+    if chain is not None:
+      x = chain.close(x)
     new_caches = tuple(new_caches)
     plan_prefetch(new_caches)  # the next step's first tiles start moving now
     return leave(edge_leaves, x, last_only), new_caches
