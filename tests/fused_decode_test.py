@@ -151,6 +151,10 @@ def test_plan_step_takes_the_general_path_where_it_must():
 
 def test_fused_flag_from_the_environment(monkeypatch):
   from rkv.models import transformer
+  monkeypatch.delenv(fused_decode.FUSED_ENV, raising=False)
+  assert transformer._fused_default() is False  # off unless asked for (it measured slower)
+  monkeypatch.setenv(fused_decode.FUSED_ENV, "1")
+  assert transformer._fused_default() is True
   monkeypatch.setenv(fused_decode.FUSED_ENV, "0")
   assert transformer._fused_default() is False
   monkeypatch.setenv(fused_decode.FUSED_ENV, "maybe")

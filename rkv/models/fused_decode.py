@@ -17,13 +17,27 @@ Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), r
   tail tiles, merged into one float32 partial. The tiles' transfers are issued just before it
   (eager ``jax.device_put``, or staged earlier by the layer's
   :class:`rkv.offload.stream.Prefetcher`);
-* the CPU kernel over the tiles the tactic gives it, on this thread, as soon as ``q_i`` is on
-  the host: that copy waits for ``head_i`` only, so ``device_i`` runs under the kernel.
+* the CPU kernel over the tiles the tactic gives it, in a worker thread started before
+  ``device_i`` is dispatched, as soon as ``q_i`` is on the host: that copy waits for ``head_i``
+  only, so ``device_i`` runs under the kernel.
 
 The last rolling layer's partials are closed by a program that merges them and runs its
 ``post_attention``. The cells attended are the general path's, in the same tactic split; only
 the order of the float32 LSE merge differs (window and staging first, then tiles, then the CPU
 share), so logits agree within the gates, not bit for bit.
+
+**Measured slower, so off by default** (``layered_forward(fused=True)`` or
+``RKV_FUSED_DECODE=1`` opt in). On the H200, same run, Llama-3-8B shape, random bf16 weights
+(``bash benchmarks/fused_decode_ab_h200.sh a``, ``benchmarks/results/beyond_hbm/fused_ab/``):
+128K half-offloaded 7.72 tok/s fused vs 8.44 general; 1M tokens (default budget) 6.55 vs 7.83.
+Expected: ~1 ms less host time a layer. Not yet known why it moved the other way: the run had no
+trace (the device was gone before the traced A/B ran). One suspect is fixed since but unmeasured:
+the program donated the window and the staging buffer and returned the one it did not write
+unchanged, which XLA may copy (3.9 GB a layer at 1M); now only the written block is an argument.
+A second suspect, also changed since and unmeasured: the CPU kernel ran on this thread after
+``device_i`` was dispatched, while the general path starts it in a worker first (if the dispatch
+of a program whose tiles are in flight holds the host, the link and the kernel ran in series).
+The next step is ``experiments.decode_trace`` of both paths (``RKV_FUSED_DECODE=0|1``).
 
 A layer takes the general path for a step when this one does not apply: a prefill chunk, a chunk
 that would span the window's end or fill more than the staging tile, more streamed tiles than the
@@ -120,18 +134,16 @@ def _programs(prev_defs, defs):
     o, _ = stream.merge_all(parts, out_dtype=x.dtype)
     return _module(prev_defs, prev_leaves).post_attention(x, o)
 
-  @functools.partial(jax.jit, static_argnames=("dest", "dtype", "quantized"),
-                     donate_argnames=("window", "staging"))
-  def head(prev_leaves, leaves, x, parts, rope_cs, positions, window, staging, offset, *, dest,
-           dtype, quantized):
+  # Only the block written is an argument (donated: written in place). Passing the other one
+  # through would make it an output of the program too, and a donated buffer returned unchanged
+  # is not guaranteed to be aliased rather than copied: at 1M tokens a window is 3.9 GB a layer.
+  @functools.partial(jax.jit, static_argnames=("dtype", "quantized"), donate_argnames="block")
+  def head(prev_leaves, leaves, x, parts, rope_cs, positions, block, offset, *, dtype,
+           quantized):
     x = merged_input(prev_leaves, x, parts)
     q, k, v = _module(defs, leaves).pre_attention(x, rope_cs)
     new = _new_cells(k, v, positions, dtype=dtype, quantized=quantized)
-    if dest == "window":
-      window = _write(window, new, offset)
-    else:
-      staging = _write(staging, new, offset)
-    return x, q, window, staging
+    return x, q, _write(block, new, offset)
 
   close = jax.jit(merged_input)
   return head, close
@@ -150,6 +162,12 @@ def _device_partial(q, q_pos, window_block, staging_block, tiles, *, use_window,
     parts.append(rolling._partial(q, q_pos, staging_block, **kw))
   parts += [rolling._partial(q, q_pos, t, **kw) for t in tiles]
   return stream.merge_all(parts, out_dtype=jnp.float32)
+
+
+def _cpu_share(*args, **kwargs):
+  with jax.profiler.TraceAnnotation("rkv.cpu.tail"):
+    # Looked up at call time (not bound at import), so tests can watch the kernel's calls.
+    return cpu_lib.cpu_attention_tail(*args, **kwargs)
 
 
 class Chain:
@@ -183,24 +201,36 @@ class Chain:
     else:
       tiles = stream.put_many_eager(host_tiles) if host_tiles else []
     with jax.profiler.TraceAnnotation("rkv.layer.head"):
-      x, q, win, stg = head(prev_leaves, leaves, x, parts, rope_cs, self.positions,
-                            cache.window, cache.staging, jnp.int32(step.offset), dest=step.dest,
-                            dtype=np.dtype(cache.dtype), quantized=cache.quantized)
-    with jax.profiler.TraceAnnotation("rkv.layer.device"):
-      device = _device_partial(q, self.positions, win, stg, tuple(tiles),
-                               use_window=cache.window_cells > 0,
-                               use_staging=step.dest == "staging", window=window, softcap=softcap,
-                               scale=scale, impl=impl)
+      into_window = step.dest == "window"
+      x, q, written = head(prev_leaves, leaves, x, parts, rope_cs, self.positions,
+                           cache.window if into_window else cache.staging,
+                           np.int32(step.offset), dtype=np.dtype(cache.dtype),
+                           quantized=cache.quantized)
+      win, stg = (written, cache.staging) if into_window else (cache.window, written)
+    future = None
+    if step.n_stream < step.n_full:
+      # The CPU share starts (in a worker: its kernel releases the GIL) before device_i is
+      # dispatched, as the general path's eager schedule does: if dispatching a program whose
+      # input tiles are still in flight held this thread until they land, the kernel would
+      # otherwise wait for the link instead of running beside it.
+      future = rolling._executor().submit(
+          _cpu_share, q, cache, q_pos=self._q_pos_host(), causal=True, window=window,
+          softcap=softcap, scale=scale,
+          num_threads=cpu_lib.tail_threads(attn_kw.get("cpu_threads")),
+          tiles=(step.n_stream, step.n_full))
+    try:
+      with jax.profiler.TraceAnnotation("rkv.layer.device"):
+        device = _device_partial(q, self.positions, win, stg, tuple(tiles),
+                                 use_window=cache.window_cells > 0,
+                                 use_staging=step.dest == "staging", window=window,
+                                 softcap=softcap, scale=scale, impl=impl)
+    finally:
+      if future is not None:
+        with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
+          cpu_part = future.result()  # waits for the kernel (and surfaces its errors)
     if self.prefetcher is not None and host_tiles:
       self.prefetcher.consumed(device)
-    parts = (device,)
-    if step.n_stream < step.n_full:
-      with jax.profiler.TraceAnnotation("rkv.cpu.tail"):
-        o_cpu, lse_cpu = cpu_lib.cpu_attention_tail(
-            q, cache, q_pos=self._q_pos_host(), causal=True, window=window, softcap=softcap,
-            scale=scale, num_threads=cpu_lib.tail_threads(attn_kw.get("cpu_threads")),
-            tiles=(step.n_stream, step.n_full))
-      parts = (device, (o_cpu, lse_cpu))
+    parts = (device,) if future is None else (device, cpu_part)
     t = q.shape[1]
     new = dataclasses.replace(cache, window=win, staging=stg, fill=cache.fill + t)
     if step.flush_index is not None:

@@ -380,7 +380,9 @@ def _split_flat(node):
 
 def _fused_default() -> bool:
   from rkv.models import fused_decode
-  env = os.environ.get(fused_decode.FUSED_ENV, "1").strip().lower()
+  # Off by default: on the H200 it measured slower than the general path (fused_decode's
+  # docstring, benchmarks/results/beyond_hbm/fused_ab/).
+  env = os.environ.get(fused_decode.FUSED_ENV, "0").strip().lower()
   if env not in ("0", "1", "false", "true", "off", "on"):
     raise ValueError(f"${fused_decode.FUSED_ENV} must be 0/1 (false/true, off/on), got {env!r}")
   return env in ("1", "true", "on")
@@ -422,7 +424,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   (:mod:`rkv.models.fused_decode`: the merge, ``post_attention``, the next ``pre_attention`` and
   the append in one program; the device partials in another) instead of the general path's
   eight dispatches; the same cells and tactic split, merged in another order. Default
-  ``$RKV_FUSED_DECODE`` (1 unless set to 0). Prefill chunks always take the general path.
+  ``$RKV_FUSED_DECODE`` (0 unless set to 1: experimental, it measured slower on the H200). Prefill
+  chunks always take the general path.
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
