@@ -10,10 +10,11 @@
 ``rkv.planner.plan_sharded`` plans budgets, the split and each device's tactic.
 """
 
-from rkv.parallel.caches import ShardedKV, ShardedRollingKV, init_caches, rolling_caches
+from rkv.parallel.caches import (ShardedKV, ShardedRollingKV, caches_from_plan, init_caches,
+                                 rolling_caches)
 from rkv.parallel.mesh import AXES, HEADS, SEQ, make_mesh, memories, tail_memory_kind
 from rkv.parallel.model import ShardedModel, forward, shard_model
 
-__all__ = ["AXES", "HEADS", "SEQ", "ShardedKV", "ShardedModel", "ShardedRollingKV", "forward",
+__all__ = ["AXES", "HEADS", "SEQ", "ShardedKV", "ShardedModel", "ShardedRollingKV", "caches_from_plan", "forward",
            "init_caches", "make_mesh", "memories", "rolling_caches", "shard_model",
            "tail_memory_kind"]

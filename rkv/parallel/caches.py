@@ -229,19 +229,28 @@ class ShardedRollingKV:
 
   @classmethod
   def empty(cls, mesh, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
-            window_cells: int, tile_cells: int | None = None, dtype=jnp.bfloat16,
-            tactic="stream", cpu_fraction=None) -> "ShardedRollingKV":
+            window_cells, tile_cells=None, dtype=jnp.bfloat16, tactic="stream",
+            cpu_fraction=None) -> "ShardedRollingKV":
     """``capacity`` cells in all, ``ceil(capacity / n_seq)`` a seq slice; each device keeps
     ``window_cells`` of its slice on the device and the rest in its pinned-host tail.
-    ``tactic`` / ``cpu_fraction``: one for every device, or a ``[seq][heads]`` nesting (the
-    tactic per device of ``rkv.planner.plan_sharded``)."""
+    ``window_cells`` / ``tile_cells`` / ``tactic`` / ``cpu_fraction``: one for every device, or
+    a ``[seq][heads]`` nesting (each device's, as ``rkv.planner.plan_sharded`` plans them)."""
     where = "ShardedRollingKV.empty"
     mesh_lib.check_mesh(mesh, where)
     kl = mesh_lib.check_divisible(where, "num_kv_heads", num_kv_heads, mesh)
     n_seq, n_heads = mesh.devices.shape
     cap = math.ceil(capacity / n_seq)
-    grid = lambda x: x if isinstance(x, (tuple, list)) else [[x] * n_heads] * n_seq
-    tac, frac = grid(tactic), grid(cpu_fraction)
+
+    def grid(x, name):
+      if not isinstance(x, (tuple, list)):
+        return [[x] * n_heads] * n_seq
+      if len(x) != n_seq or any(len(row) != n_heads for row in x):
+        raise ValueError(f"{where}: {name} must be one value or a [seq][heads] = "
+                         f"[{n_seq}][{n_heads}] nesting, got {x!r}")
+      return x
+
+    tac, frac = grid(tactic, "tactic"), grid(cpu_fraction, "cpu_fraction")
+    win, tile = grid(window_cells, "window_cells"), grid(tile_cells, "tile_cells")
     parts = []
     for s in range(n_seq):
       row = []
@@ -250,9 +259,9 @@ class ShardedRollingKV:
         if mesh_lib.tail_memory_kind(dev) != memory.PINNED_HOST:
           raise ValueError(f"{where}: device {dev} has no {memory.PINNED_HOST!r} memory for its "
                            f"tail (it offers {[m.kind for m in dev.addressable_memories()]})")
-        kw = {} if tile_cells is None else dict(tile_cells=tile_cells)
+        kw = {} if tile[s][h] is None else dict(tile_cells=tile[s][h])
         with jax.default_device(dev):
-          kv = RollingKV.empty(batch, cap, kl, head_dim, window_cells=window_cells, dtype=dtype,
+          kv = RollingKV.empty(batch, cap, kl, head_dim, window_cells=win[s][h], dtype=dtype,
                                **kw)
           row.append(kv.with_tactic(tac[s][h], frac[s][h]))
       parts.append(tuple(row))
@@ -349,4 +358,48 @@ def rolling_caches(config, mesh, batch: int, capacity: int, *, window_cells: int
                                         config.head_dim, window_cells=window_cells,
                                         tile_cells=tile_cells, dtype=dtype, tactic=tactic,
                                         cpu_fraction=cpu_fraction))
+  return tuple(out)
+
+
+def caches_from_plan(config, mesh, plan, batch: int, capacity: int | None = None, dtype=None):
+  """One cache per layer as a :class:`rkv.planner.ShardedPlan` places it on ``mesh`` (of the
+  plan's ``seq x heads`` shape): a layer resident on every device is a :class:`ShardedKV` (a
+  head-sharded ring for a short sliding window), any other a :class:`ShardedRollingKV` with each
+  device's window, tile and tactic (a device where the layer fits keeps it all in its window)."""
+  from rkv.planner.sharded import ShardedPlan
+  where = "rkv.parallel.caches_from_plan"
+  if not isinstance(plan, ShardedPlan):
+    raise ValueError(f"{where}: plan must be a rkv.planner.ShardedPlan, got "
+                     f"{type(plan).__name__}")
+  mesh_lib.check_mesh(mesh, where)
+  if tuple(mesh.devices.shape) != (plan.seq, plan.heads):
+    raise ValueError(f"{where}: the plan is for a mesh of seq x heads = {plan.seq} x "
+                     f"{plan.heads}, the mesh is {tuple(mesh.devices.shape)}")
+  capacity = plan.context_len if capacity is None else capacity
+  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+  dtype = config.dtype if dtype is None else dtype
+  cap = math.ceil(capacity / plan.seq)
+  out = []
+  for i, w in enumerate(config.layer_windows):
+    grid = plan.layer_grid(i)
+    cells = [lp for row in grid for lp in row]
+    if all(lp.tactic == "resident" for lp in cells):
+      ring = w is not None and w < capacity
+      out.append(ShardedKV.empty(mesh, batch, w if ring else capacity, config.num_kv_heads,
+                                 config.head_dim, dtype, ring=ring))
+      continue
+    bad = sorted({lp.tactic for lp in cells} - set(tactics_lib.ROLLING) - {"resident"})
+    if bad:
+      raise ValueError(f"{where}: layer {i}'s plan has tactic(s) {bad} on some device; a "
+                       f"sharded rolling cache serves {tactics_lib.ROLLING} (plan with "
+                       f"ResidencyConfig(mode=...) one of those)")
+    resident = lambda lp: lp.tactic == "resident"
+    out.append(ShardedRollingKV.empty(
+        mesh, batch, capacity, config.num_kv_heads, config.head_dim, dtype=dtype,
+        window_cells=[[cap if resident(lp) else lp.window_cells for lp in row] for row in grid],
+        tile_cells=[[None if resident(lp) else lp.tile_cells for lp in row] for row in grid],
+        tactic=[["stream" if resident(lp) else lp.tactic for lp in row] for row in grid],
+        cpu_fraction=[[lp.cpu_fraction if lp.tactic == "hybrid" else None for lp in row]
+                      for row in grid]))
   return tuple(out)

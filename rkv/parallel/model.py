@@ -63,21 +63,31 @@ def check_shardable(cfg: ModelConfig, mesh, where: str = "shard_model") -> None:
   mesh_lib.check_divisible(where, "intermediate_size", cfg.intermediate_size, mesh)
 
 
+def _path_name(path) -> str:
+  """``layers/0/attn/qkv_proj/kernel`` from a state leaf's key path (nnx's ``.value`` dropped)."""
+  keys = []
+  for k in path:
+    key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+    if key is not None and key != "value":
+      keys.append(str(key))
+  return "/".join(keys)
+
+
 def _param_spec(path: str, ndim: int) -> P:
   """The partition spec of one parameter, by its place in the model."""
-  col = "qkv_proj" in path or "gate_up_proj" in path
-  row = "o_proj" in path or "down_proj" in path
+  col = "/qkv_proj/" in path or "/gate_up_proj/" in path
+  row = "/o_proj/" in path or "/down_proj/" in path
   if col:
-    return P(None, HEADS) if path.endswith("kernel") else P(HEADS)
-  if row and path.endswith("kernel"):
+    return P(None, HEADS) if path.endswith("/kernel") else P(HEADS)
+  if row and path.endswith("/kernel"):
     return P(HEADS, None)
   return P(*([None] * ndim))  # norms, embedding, lm_head, the row-sharded layers' biases
 
 
 def _relaid(path: str, x, cfg: ModelConfig, n: int):
-  if "qkv_proj" in path:
+  if "/qkv_proj/" in path:
     perm = qkv_permutation(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, n)
-  elif "gate_up_proj" in path:
+  elif "/gate_up_proj/" in path:
     perm = gate_up_permutation(cfg.intermediate_size, n)
   else:
     return x
@@ -131,11 +141,17 @@ def shard_model(model: Transformer, mesh, *, impl: str | None = None) -> Sharded
   graphdef, state = nnx.split(model)
 
   def place(path, x):
-    name = jax.tree_util.keystr(path)
-    spec = _param_spec(name.replace(".value", ""), x.ndim)
-    return jax.device_put(_relaid(name, x, cfg, n), mesh_lib.sharding(mesh, spec))
+    name = _path_name(path)
+    return jax.device_put(_relaid(name, x, cfg, n),
+                          mesh_lib.sharding(mesh, _param_spec(name, x.ndim)))
 
   state = jax.tree_util.tree_map_with_path(place, state)
+  names = [_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  for part in ("qkv_proj/kernel", "o_proj/kernel", "gate_up_proj/kernel", "down_proj/kernel"):
+    if sum(name.endswith("/" + part) for name in names) != cfg.num_layers:
+      # A renamed module would otherwise be replicated silently (correct, but not sharded).
+      raise ValueError(f"{where}: expected one {part} per layer in the model's parameters, "
+                       f"found {sum(name.endswith('/' + part) for name in names)}")
   return ShardedModel(cfg, mesh, impl, nnx.merge(graphdef, state))
 
 
