@@ -75,8 +75,10 @@ def test_plan_sharded_splits_heads_and_cells():
   cp = plan_sharded(cfg, 1 << 20, 1, seq=2, heads=1, residency=_res(vram_target_mib=100_000))
   for p in (one, two, cp):
     assert p.fits
-  # The same KV bytes in all, split evenly: K/2 heads of every cell, or every head of half.
-  assert two.device_bytes == cp.device_bytes == one.device_bytes
+  # The same K/V bytes in all, split evenly: K/2 heads of every cell, or every head of half the
+  # cells; each head shard keeps its own copy of the positions (4 bytes a cell and layer).
+  assert cp.device_bytes == one.device_bytes
+  assert two.device_bytes == one.device_bytes + cfg.num_layers * (1 << 20) * 4
   assert two.plans[0].shape.num_kv_heads == 4 and two.plans[0].context_len == 1 << 20
   assert cp.plans[0].shape.num_kv_heads == 8 and cp.plans[0].context_len == 1 << 19
 
@@ -84,8 +86,8 @@ def test_plan_sharded_splits_heads_and_cells():
 def test_plan_sharded_per_device_budgets_and_table():
   cfg = PRESETS["llama3-8b"]
   # Device 1 has half device 0's budget: it offloads more (per-device windows and tactics).
-  p = plan_sharded(cfg, 1 << 21, 1, seq=1, heads=2, devices=["gpu0", "gpu1"],
-                   residency=[_res(vram_target_mib=100_000), _res(vram_target_mib=50_000)])
+  p = plan_sharded(cfg, 1 << 20, 1, seq=1, heads=2, devices=["gpu0", "gpu1"],
+                   residency=[_res(vram_target_mib=60_000), _res(vram_target_mib=40_000)])
   assert not p.fits
   assert p.plans[1].host_bytes > p.plans[0].host_bytes > 0
   assert p.step_time_s == max(q.step_time_s for q in p.plans)

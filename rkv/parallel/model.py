@@ -63,7 +63,7 @@ def check_shardable(cfg: ModelConfig, mesh, where: str = "shard_model") -> None:
   mesh_lib.check_divisible(where, "intermediate_size", cfg.intermediate_size, mesh)
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
   """``layers/0/attn/qkv_proj/kernel`` from a state leaf's key path (nnx's ``.value`` dropped)."""
   keys = []
   for k in path:
@@ -73,8 +73,8 @@ def _path_name(path) -> str:
   return "/".join(keys)
 
 
-def _param_spec(path: str, ndim: int) -> P:
-  """The partition spec of one parameter, by its place in the model."""
+def param_spec(path: str, ndim: int) -> P:
+  """The partition spec of one parameter, by its place in the model (``path_name``)."""
   col = "/qkv_proj/" in path or "/gate_up_proj/" in path
   row = "/o_proj/" in path or "/down_proj/" in path
   if col:
@@ -141,12 +141,12 @@ def shard_model(model: Transformer, mesh, *, impl: str | None = None) -> Sharded
   graphdef, state = nnx.split(model)
 
   def place(path, x):
-    name = _path_name(path)
+    name = path_name(path)
     return jax.device_put(_relaid(name, x, cfg, n),
-                          mesh_lib.sharding(mesh, _param_spec(name, x.ndim)))
+                          mesh_lib.sharding(mesh, param_spec(name, x.ndim)))
 
   state = jax.tree_util.tree_map_with_path(place, state)
-  names = [_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   for part in ("qkv_proj/kernel", "o_proj/kernel", "gate_up_proj/kernel", "down_proj/kernel"):
     if sum(name.endswith("/" + part) for name in names) != cfg.num_layers:
       # A renamed module would otherwise be replicated silently (correct, but not sharded).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 
 import jax
@@ -321,11 +322,13 @@ def main(argv):
   for name, fn in checks(n).items():
     if only and name not in only:
       continue
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
       ok, detail = fn()
     except Exception:  # a check that raises fails with its traceback, the others still run
       ok, detail = False, traceback.format_exc()
-    out[name] = {"ok": bool(ok), "detail": detail}
+    out[name] = {"ok": bool(ok), "detail": detail, "wall_s": time.perf_counter() - t0,
+                 "cpu_s": time.process_time() - c0}
   print("SHARDED_CHECKS " + json.dumps(out))
 
 
