@@ -25,6 +25,7 @@ changes which queries see it: the sharded caches are exact whatever the split.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -106,9 +107,11 @@ class ShardedKV:
   def capacity(self) -> int:
     return self.k.shape[1]
 
-  def _specs(self):
-    kv, pos = (HEADS_BTHD, REPLICATED) if self.ring else (CELLS_BSKD, CELLS_BS)
-    return ShardedKV(kv, kv, pos, REPLICATED, self.mesh, self.ring)
+  @staticmethod
+  def _specs_of(mesh, ring: bool) -> "ShardedKV":
+    """The partition specs of a cache's fields, as a ShardedKV (shard_map's spec pytree)."""
+    kv, pos = (HEADS_BTHD, REPLICATED) if ring else (CELLS_BSKD, CELLS_BS)
+    return ShardedKV(kv, kv, pos, REPLICATED, mesh, ring)
 
   # --- the layer-cache protocol ---
   @property
@@ -137,13 +140,23 @@ class ShardedKV:
         # Under jit the fill is traced and a full cache would clamp silently (as ResidentCache).
         raise ValueError(f"{where}: writing {t} cells overflows every seq slice (filled "
                          f"{lengths.tolist()} of {self.slice_cells})")
-    kw = dict(window=window, softcap=softcap, scale=scale, impl=impl)
-    specs = self._specs()
-    body = _ring_body if self.ring else (_one_slice_body if self.n_slices == 1 else _seq_body)
-    fn = jax.shard_map(lambda c, q, k, v, p: body(c, q, k, v, p, kw), mesh=self.mesh,
-                       in_specs=(specs, HEADS_BTHD, HEADS_BTHD, HEADS_BTHD, REPLICATED),
-                       out_specs=(HEADS_BTHD, specs), check_vma=False)
+    fn = _attend_program(self.mesh, self.ring, self.n_slices,
+                         (("window", window), ("softcap", softcap), ("scale", scale),
+                          ("impl", impl)))
     return fn(self, q, k, v, positions.astype(jnp.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _attend_program(mesh, ring: bool, n_slices: int, kw_items: tuple):
+  """ShardedKV.attend's ``shard_map``, jitted once per structure: called eagerly (a ring layer
+  between the rolling layers' eager halves) it is one program, not op-by-op dispatch; under the
+  model's jit it simply inlines."""
+  kw = dict(kw_items)
+  specs = ShardedKV._specs_of(mesh, ring)
+  body = _ring_body if ring else (_one_slice_body if n_slices == 1 else _seq_body)
+  return jax.jit(jax.shard_map(lambda c, q, k, v, p: body(c, q, k, v, p, kw), mesh=mesh,
+                               in_specs=(specs, HEADS_BTHD, HEADS_BTHD, HEADS_BTHD, REPLICATED),
+                               out_specs=(HEADS_BTHD, specs), check_vma=False))
 
 
 def _ring_body(c, q, k, v, positions, kw):
@@ -196,13 +209,7 @@ def _merge_program(mesh):
                                out_specs=(HEADS_BTHD, _LSE_BTH), check_vma=False))
 
 
-_MERGES: dict = {}
-
-
-def _merge_seq(mesh):
-  if mesh not in _MERGES:
-    _MERGES[mesh] = _merge_program(mesh)
-  return _MERGES[mesh]
+_merge_seq = functools.lru_cache(maxsize=16)(_merge_program)
 
 
 def _shards(x) -> dict:
@@ -298,25 +305,43 @@ class ShardedRollingKV:
                        f"{[row[0].room for row in self.parts]})")
     mesh = self.mesh
     qs, ks, vs, ps = (_shards(x) for x in (q, k, v, positions))
-    os_, lses, parts = {}, {}, []
-    for s, row in enumerate(self.parts):
-      new_row = []
-      for h, part in enumerate(row):
-        dev = mesh.devices[s, h]
-        with jax.default_device(dev):
-          if s == owner:
-            part = part.append(ks[dev], vs[dev], ps[dev])
-          tactic, share = part.tactic, part.cpu_fraction
-          if tactic in tactics_lib.HOST_KERNEL and t > MAX_DECODE_QUERIES:
-            tactic, share = "stream", None  # a prefill chunk streams (RollingKV.attend's rule)
-          o, lse = rolling.rolling_attention(qs[dev], part, q_pos=ps[dev], causal=True,
-                                             tactic=tactic, cpu_fraction=share, **kw)
-          # An empty part answers with fresh (uncommitted) zeros: commit them to this device
-          # (a no-op for the others), or the assembly below would find them on device 0.
-          o, lse = jax.device_put((o, lse), dev)
-        os_[dev], lses[dev] = o, lse
-        new_row.append(part)
-      parts.append(tuple(new_row))
+    grid = [(s, h) for s in range(len(self.parts)) for h in range(len(self.parts[0]))]
+    host = [(s, h) for s, h in grid if self.parts[s][h].tactic in tactics_lib.HOST_KERNEL
+            and t <= MAX_DECODE_QUERIES]
+    # Each device with a host-kernel share runs it on its own thread, at once, with its share of
+    # the cores (the kernel blocks its calling thread: in turn, device 1 would wait for device
+    # 0's tail). Streaming devices dispatch asynchronously and need no thread.
+    threads = None
+    if len(host) > 1:
+      from rkv.offload import cpu_attention
+      threads = max(1, cpu_attention.tail_threads() // len(host))
+
+    def one(s, h):
+      part, dev = self.parts[s][h], mesh.devices[s, h]
+      with jax.default_device(dev):
+        if s == owner:
+          part = part.append(ks[dev], vs[dev], ps[dev])
+        tactic, share = part.tactic, part.cpu_fraction
+        if tactic in tactics_lib.HOST_KERNEL and t > MAX_DECODE_QUERIES:
+          tactic, share = "stream", None  # a prefill chunk streams (RollingKV.attend's rule)
+        extra = dict(cpu_threads=threads) if threads and tactic in tactics_lib.HOST_KERNEL else {}
+        o, lse = rolling.rolling_attention(qs[dev], part, q_pos=ps[dev], causal=True,
+                                           tactic=tactic, cpu_fraction=share, **extra, **kw)
+        # An empty part answers with fresh (uncommitted) zeros: commit them to this device (a
+        # no-op for the others), or the assembly below would find them on device 0.
+        o, lse = jax.device_put((o, lse), dev)
+      return part, o, lse
+
+    if threads:
+      import concurrent.futures
+      with concurrent.futures.ThreadPoolExecutor(len(grid)) as pool:
+        done = dict(zip(grid, pool.map(lambda sh: one(*sh), grid)))
+    else:
+      done = {sh: one(*sh) for sh in grid}
+    os_ = {mesh.devices[sh]: done[sh][1] for sh in grid}
+    lses = {mesh.devices[sh]: done[sh][2] for sh in grid}
+    parts = [tuple(done[(s, h)][0] for h in range(len(self.parts[0])))
+             for s in range(len(self.parts))]
     new = ShardedRollingKV(tuple(parts), mesh)
     n_seq = mesh.devices.shape[0]
     if n_seq == 1:
