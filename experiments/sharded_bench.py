@@ -11,7 +11,7 @@ XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB before JAX starts):
 CPU smoke run (2 host devices, tiny model, explicit per-device budget: CPU has no memory stats):
   XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python -m experiments.sharded_bench \
       --preset=tiny-llama --dtype=float32 --devices=2 --contexts=1024 --layouts=1x1,1xN,Nx1 \
-      --resident_context=256 --budget_mib=0.2 --tile_cells=128 --min_tile_cells=128 \
+      --resident_context=256 --budget_mib=0.2 --resident_budget_mib=10 --tile_cells=128 --min_tile_cells=128 \
       --warmup=1 --steps=2 --tail_tiles=2 --tail_tile_cells=128 --tail_repeats=2 \
       --out=/tmp/sharded_bench.json
 """
@@ -36,6 +36,8 @@ _STEPS = flags.DEFINE_integer("steps", 6, "Timed decode steps (the median is rep
 _MODE = flags.DEFINE_string("mode", "auto", "Planner mode of the decode rows.")
 _BUDGET = flags.DEFINE_float("budget_mib", 0.0, "KV budget per device in MiB (0: free device "
                              "memory after the weights minus the planner's reserve).")
+_RES_BUDGET = flags.DEFINE_float("resident_budget_mib", 0.0, "KV budget per device of the "
+                                 "resident scaling rows (0: --budget_mib).")
 _RESERVE = flags.DEFINE_float("reserve_mib", None, "The planner's reserve (default: derived).")
 _TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).")
 _MIN_TILE = flags.DEFINE_integer("min_tile_cells", 4096, "Smallest host-tail tile (cells).")
@@ -54,6 +56,7 @@ def main(argv):
       contexts=tuple(int(c) for c in _CONTEXTS.value), layouts=tuple(_LAYOUTS.value),
       resident_context=_RESIDENT.value or None, batch=_BATCH.value, warmup=_WARMUP.value,
       steps=_STEPS.value, mode=_MODE.value, budget_mib=_BUDGET.value,
+      resident_budget_mib=_RES_BUDGET.value,
       reserve_mib=_RESERVE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       profile_path=_PROFILE.value, tail_tiles=_TAIL_TILES.value,
       tail_tile_cells=_TAIL_CELLS.value, tail_repeats=_TAIL_REPEATS.value)

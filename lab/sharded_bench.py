@@ -26,6 +26,7 @@ Everything is plain Python over the library: no flags here (the experiment parse
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import statistics
 import time
@@ -53,6 +54,7 @@ class BenchConfig:
   steps: int = 6
   mode: str = "auto"
   budget_mib: float = 0.0          # per device; 0: free memory after the weights minus reserve
+  resident_budget_mib: float = 0.0  # the resident scaling rows' (0: budget_mib)
   reserve_mib: float | None = None
   tile_cells: int = 32768
   min_tile_cells: int = 4096
@@ -88,7 +90,7 @@ def _share_config(mc, heads: int):
 # ----------------------------------------------------------------------------------------------
 def random_sharded_model(mc, mesh, seed: int, impl: str = "auto"):
   """A :class:`rkv.parallel.ShardedModel` with random weights generated in place on the mesh
-  (each leaf by one jitted program with its ``NamedSharding`` as output: an 8B model never sits
+  (one jitted program whose outputs carry each leaf's ``NamedSharding``: an 8B model never sits
   whole on one device). Norm scales are ones; projections N(0, 0.02)."""
   import jax
   import jax.numpy as jnp
@@ -98,19 +100,23 @@ def random_sharded_model(mc, mesh, seed: int, impl: str = "auto"):
   from rkv.parallel import model as model_lib
   abstract = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0), impl=impl))
   graphdef, state = nnx.split(abstract)
-  key = jax.random.key(seed)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-  out = []
-  for i, (path, leaf) in enumerate(leaves):
-    name = model_lib.path_name(path)
-    sh = jax.sharding.NamedSharding(mesh, model_lib.param_spec(name, leaf.ndim))
-    if name.endswith("scale"):
-      fn = jax.jit(lambda: jnp.ones(leaf.shape, leaf.dtype), out_shardings=sh)
-      out.append(fn())
-    else:
-      fn = jax.jit(lambda k: (0.02 * jax.random.normal(k, leaf.shape, jnp.float32)
-                              ).astype(leaf.dtype), out_shardings=sh)
-      out.append(fn(jax.random.fold_in(key, i)))
+  names = [model_lib.path_name(path) for path, _ in leaves]
+  shardings = [jax.sharding.NamedSharding(mesh, model_lib.param_spec(n, leaf.ndim))
+               for n, (_, leaf) in zip(names, leaves)]
+
+  def generate(key):
+    out = []
+    for i, (name, (_, leaf)) in enumerate(zip(names, leaves)):
+      if name.endswith("scale"):
+        out.append(jnp.ones(leaf.shape, leaf.dtype))
+      else:
+        x = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+        out.append((0.02 * x).astype(leaf.dtype))
+    return out
+
+  # One program for every leaf, its outputs sharded (one compile per model, not per leaf).
+  out = jax.jit(generate, out_shardings=shardings)(jax.random.key(seed))
   state = jax.tree_util.tree_unflatten(treedef, out)
   return parallel.ShardedModel(mc, mesh, impl, nnx.merge(graphdef, state))
 
@@ -118,6 +124,27 @@ def random_sharded_model(mc, mesh, seed: int, impl: str = "auto"):
 # ----------------------------------------------------------------------------------------------
 # Filled caches from a sharded plan
 # ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _kv_program(shape, dtype: str, sharding):
+  """Random K and V of ``shape``, generated sharded (one compile per shape and layout)."""
+  import jax
+  import jax.numpy as jnp
+
+  def gen(key):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, shape, jnp.float32).astype(dtype),
+            jax.random.normal(k2, shape, jnp.float32).astype(dtype))
+
+  return jax.jit(gen, out_shardings=(sharding, sharding))
+
+
+@functools.lru_cache(maxsize=4)
+def _shift_program():
+  import jax
+  import jax.numpy as jnp
+  return jax.jit(lambda p, offset: jnp.where(p >= 0, p + offset, p))
+
+
 def _filled_sharded_kv(mesh, mc, batch, capacity, fill, seed):
   """A resident :class:`rkv.parallel.ShardedKV` of ``capacity`` cells holding ``fill`` random
   cells (slices fill in order, as decode appends them), generated sharded."""
@@ -131,12 +158,7 @@ def _filled_sharded_kv(mesh, mc, batch, capacity, fill, seed):
   shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)
   shape = empty.k.shape
 
-  def gen(key):
-    k1, k2 = jax.random.split(key)
-    return (jax.random.normal(k1, shape, jnp.float32).astype(mc.dtype),
-            jax.random.normal(k2, shape, jnp.float32).astype(mc.dtype))
-
-  kv = jax.jit(gen, out_shardings=(shard(CELLS_BSKD), shard(CELLS_BSKD)))
+  kv = _kv_program(shape, jnp.dtype(mc.dtype).name, shard(CELLS_BSKD))
   k, v = kv(jax.random.key(seed))
   slot = np.arange(n * s_l)
   pos = np.where(slot % s_l < fills[slot // s_l], slot, -1).astype(np.int32)
@@ -149,9 +171,8 @@ def _shift_positions(kv, offset: int):
   """A RollingKV whose cells sit at positions ``+ offset`` (a later seq slice's)."""
   if offset == 0:
     return kv
-  import jax
-  import jax.numpy as jnp
-  shift = jax.jit(lambda p: jnp.where(p >= 0, p + offset, p))
+  import numpy as np
+  shift = lambda p: _shift_program()(p, np.int32(offset))
   tail = dataclasses.replace(kv.tail, pos=tuple(shift(p) for p in kv.tail.pos))
   return dataclasses.replace(kv, window=dataclasses.replace(kv.window, pos=shift(kv.window.pos)),
                              staging=dataclasses.replace(kv.staging, pos=shift(kv.staging.pos)),
@@ -197,10 +218,11 @@ def filled_caches(plan, mesh, mc, fill: int, seed: int):
 # ----------------------------------------------------------------------------------------------
 def _residency(cfg: BenchConfig, mode: str):
   import rkv
-  return rkv.ResidencyConfig(mode=mode, vram_target_mib=cfg.budget_mib,
+  budget = (cfg.resident_budget_mib or cfg.budget_mib) if mode == "resident" else cfg.budget_mib
+  return rkv.ResidencyConfig(mode=mode, vram_target_mib=budget,
                              reserve_mib=cfg.reserve_mib, tile_cells=cfg.tile_cells,
                              min_tile_cells=cfg.min_tile_cells, profile_path=cfg.profile_path,
-                             check_free=not cfg.budget_mib)
+                             check_free=not budget)
 
 
 def decode_row(cfg: BenchConfig, mc, layout: str, context: int, mode: str, *, log=print):

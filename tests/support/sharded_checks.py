@@ -281,6 +281,45 @@ def planner_end_to_end(seq, heads):
     CAPACITY = saved
 
 
+def bench_smoke():
+  """lab/sharded_bench.py at a tiny shape (a smoke run, not a timing): its rows, bounds, tail
+  rate and ratios are there and the JSON is written."""
+  import os
+  import tempfile
+  from lab import sharded_bench
+  from rkv import benchmarking
+  cfg = sharded_bench.BenchConfig(
+      preset="tiny-llama", dtype="float32", devices=2, contexts=(384,), layouts=("1x1", "1xN"),
+      resident_context=128, warmup=1, steps=1, budget_mib=0.08, resident_budget_mib=10,
+      tile_cells=128,
+      min_tile_cells=128, tail_tiles=2, tail_tile_cells=128, tail_repeats=1)
+  result = sharded_bench.run(cfg, log=lambda m: None)
+  errs = []
+  rows = {(r["layout"], r["mode"]): r for r in result["rows"] + result["resident_scaling"]}
+  for key in (("1x1", "auto"), ("1xN", "auto"), ("1x1", "resident"), ("1xN", "resident")):
+    r = rows.get(key)
+    if r is None or not (r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
+                         and r["bound_ratio"] > 0):
+      errs.append(f"row {key}: {r}")
+  if not all(h > 0 for h in rows[("1xN", "auto")]["host_kv_gib_per_device"]):
+    errs.append("the 1xN row has no host tail on some device (budget too large for the smoke)")
+  if rows[("1xN", "resident")]["host_kv_gib_per_device"] != [0.0, 0.0]:
+    errs.append("the resident scaling row has a host tail")
+  t = result["tail_rate"]
+  if not (t["one_device"]["gbps"] > 0 and t["all_devices"]["gbps"] > 0 and t["devices"] == 2):
+    errs.append(f"tail rate {t}")
+  want = {"1xN_vs_1x1_at_384", "resident_1xN_vs_1x1_at_128", "tail_rate_all_vs_one"}
+  if set(result["ratios"]) != want:
+    errs.append(f"ratios {sorted(result['ratios'])}")
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "sharded_bench.json")
+    benchmarking.write_json(path, result)
+    if json.load(open(path))["rows"][0]["layout"] != "1x1":
+      errs.append("the JSON does not round-trip")
+  sharded_bench.format_table(result)
+  return not errs, "; ".join(errs) or "ok"
+
+
 def checks(n: int) -> dict:
   if n == 2:
     return {
@@ -296,6 +335,7 @@ def checks(n: int) -> dict:
         "rolling_cpu_seq2": lambda: model_vs_one_device(2, 1, "rolling", "cpu"),
         "planner_heads2": lambda: planner_end_to_end(1, 2),
         "bad_inputs": lambda: bad_inputs(2),
+        "bench_smoke": bench_smoke,
     }
   if n == 4:
     return {
