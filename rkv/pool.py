@@ -495,16 +495,22 @@ class Pool:
     ids = sorted(self.seqs)
     needs = needs or {}
     feeds = feeds or {}
-    n = [max(int(needs.get(i, 0)), self.seqs[i].length) for i in ids]
     f = [int(feeds.get(i, 0)) for i in ids]
+    n = [max(int(needs.get(i, 0)), self.seqs[i].length + fi) for i, fi in zip(ids, f)]
     if self.tactic == "resident":
       return dict(zip(ids, n))
     return dict(zip(ids, planner.pool_windows(n, self.device_rows, self.page_cells, f)))
 
-  def maintain(self, needs: dict | None = None, feeds: dict | None = None) -> int:
+  def maintain(self, needs: dict | None = None, feeds: dict | None = None, *,
+               windows: dict | None = None) -> int:
     """Moves each sequence's oldest whole pages of device cells beyond its window to the host;
-    returns the pages written."""
+    returns the pages written. ``windows``: windows to use instead of the planner's for some
+    sequences (e.g. 0 to send an idle conversation's whole pages to the host)."""
     wins = self.windows(needs, feeds)
+    for sid, w in (windows or {}).items():
+      self._seq(sid, "Pool.maintain")
+      _check_int("Pool.maintain", "windows", w, 0)
+      wins[sid] = w
     moved = 0
     for sid, w in wins.items():
       s = self.seqs[sid]
@@ -582,7 +588,9 @@ class Pool:
       tokens[i, t - n:] = toks
       q_pos[i, t - n:] = s.length + np.arange(n)
       write[i, t - n:] = rows
-    s_len = _bucket(max(len(self.seqs[sid].rows) + len(x) for sid, x in feeds), self.row_bucket)
+    # A bucket of rows (one program per bucket, not per fill); never wider than the device part.
+    s_len = min(_bucket(max(len(self.seqs[sid].rows) + len(x) for sid, x in feeds),
+                        self.row_bucket), r)
     read = np.full((b, s_len), -1, np.int32)
     read_pos = np.full((b, s_len), -1, np.int32)
     page_pos: dict[int, np.ndarray] = {}
