@@ -652,6 +652,52 @@ class Pool:
         self._free_rows.extend(reversed(rows))
       self._pending = None
 
+  def extend(self, seq: int, tokens, kv, *, needs: dict | None = None) -> None:
+    """Appends cells computed elsewhere to ``seq``: ``tokens [n]`` and ``kv``, one ``(k, v)``
+    ``[n,K,D]`` per layer (numpy or device). Pages move first so the n cells fit (the caller
+    chunks a long context). For a synthetic fill (benchmarks) or K/V imported from another run."""
+    where = "Pool.extend"
+    s = self._seq(seq, where)
+    if self._pending is not None:
+      raise ValueError(f"{where}: a step is pending (commit it first)")
+    tokens = [int(x) for x in tokens]
+    kv = list(kv)
+    n, kh, d = len(tokens), self.config.num_kv_heads, self.config.head_dim
+    if len(kv) != len(self.caches):
+      raise ValueError(f"{where}: kv must hold one (k, v) per layer ({len(self.caches)}), got "
+                       f"{len(kv)}")
+    for i, (k, v) in enumerate(kv):
+      if tuple(np.shape(k)) != (n, kh, d) or tuple(np.shape(v)) != (n, kh, d):
+        raise ValueError(f"{where}: layer {i}'s k/v must be [n,K,D]={(n, kh, d)}, got "
+                         f"{tuple(np.shape(k))}, {tuple(np.shape(v))}")
+    if not n:
+      return
+    self.maintain(needs, {seq: n})
+    if n > self.free_rows:
+      raise ValueError(f"{where}: {n} cells but {self.free_rows} device rows are free: extend in "
+                       f"smaller chunks")
+    rows = [self._free_rows.pop() for _ in range(n)]
+    write = jnp.asarray(np.asarray(rows, np.int32)[None])
+    self.caches = tuple(
+        dataclasses.replace(c, **dict(zip(("k", "v"), _scatter(c.k, c.v, jnp.asarray(k)[None],
+                                                               jnp.asarray(v)[None], write))))
+        for c, (k, v) in zip(self.caches, kv))
+    for r in rows:
+      self._row_ref[r] += 1
+    s.rows = s.rows + rows
+    s.tokens = s.tokens + tokens
+
+  def referenced_bytes(self, seqs=None) -> dict:
+    """K/V bytes a step over ``seqs`` (default all) reads, every layer: ``device`` (the rows
+    they reference) and ``host`` (the pages they reference, each moved once however many
+    share it)."""
+    seqs = list(self.seqs) if seqs is None else list(seqs)
+    rows = {r for sid in seqs for r in self.seqs[sid].rows}
+    pages = {p for sid in seqs for p, _ in self.seqs[sid].pages}
+    cell = 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+    layers = len(self.caches)
+    return dict(device=layers * cell * len(rows), host=layers * cell * self.page_cells * len(pages))
+
   # --- save / load ---
   def save(self, directory: str) -> None:
     """Writes the whole session to ``directory`` atomically (as :func:`rkv.cache.save`: a fresh
