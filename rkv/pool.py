@@ -346,9 +346,11 @@ class Pool:
     self._page_bytes = 2 * page_cells * kh * d * dt.itemsize
     memory.check_host_pool(config.num_layers * host_pages * self._page_bytes, where=where,
                            argument="host_pages")
-    zeros = np.zeros((device_rows, kh, d), dt)
+    # Made on the device (a host buffer of R rows would cross PCIe twice per layer).
+    zeros = lambda: jax.device_put(jnp.zeros((device_rows, kh, d), dt),
+                                   memory.sharding(memory.DEVICE))
     self.caches = tuple(
-        PoolKV(k=memory.to_device(zeros), v=memory.to_device(zeros), host_k=(None,) * host_pages,
+        PoolKV(k=zeros(), v=zeros(), host_k=(None,) * host_pages,
                host_v=(None,) * host_pages, tactic=tactic, cpu_fraction=cpu_fraction)
         for _ in range(config.num_layers))
     self._row_ref = np.zeros(device_rows, np.int64)
@@ -803,6 +805,18 @@ class Pool:
       seqs[int(rec["id"])] = _Seq(tokens=list(rec["tokens"]),
                                   pages=[[page_map[int(a)], int(c)] for a, c in rec["pages"]],
                                   rows=[int(x) for x in rec["rows"]])  # saved row indices yet
+    # The tables must give the refcounts the save recorded: a manifest edited or mixed up is
+    # refused rather than loaded with wrong sharing.
+    row_refs, page_refs = np.zeros(n_rows, np.int64), np.zeros(n_pages, np.int64)
+    for rec in manifest["sequences"]:
+      for r in rec["rows"]:
+        row_refs[int(r)] += 1
+      for a, _ in rec["pages"]:
+        page_refs[int(a)] += 1
+    if row_refs.tolist() != list(manifest["row_refs"]) or \
+        page_refs.tolist() != list(manifest["page_refs"]):
+      raise ValueError(f"{where}: the manifest's row tables do not give its refcounts: an "
+                       f"inconsistent save")
     pool.seqs = seqs
     pool._next_id = int(manifest["next_id"])
     # The new windows decide which saved device cells become pages now (numpy source).
