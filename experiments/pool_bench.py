@@ -28,7 +28,7 @@ _STEPS = flags.DEFINE_integer("steps", None, "Timed decode steps (default: the c
                               lower_bound=1)
 
 COLUMNS = ["scenario", "layout", "batch", "tokens_per_s", "bound_tokens_per_s", "ratio_to_bound",
-           "kv_bytes_read", "kv_bytes_moved", "kept_ttft_s", "full_ttft_s", "speedup"]
+           "host_share", "kv_bytes_read", "kv_bytes_moved", "kept_ttft_s", "full_ttft_s", "speedup"]
 
 
 def main(argv):

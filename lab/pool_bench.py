@@ -49,6 +49,9 @@ class PoolBenchConfig:
   offload_seqs: int = 4
   offload_len: int = 100_000
   host_fraction: float = 0.5
+  # (c)'s pages: a page moves whole, so the host holds a whole number of pages a sequence; 16K
+  # pages put 48% of a 100K sequence there (32K pages: 32% or 64%).
+  offload_page_cells: int = 16384
   chat_context: int = 131072
   chat_new_tokens: int = 512
   chat_device_kv_gib: float = 40.0
@@ -78,7 +81,8 @@ class PoolBenchConfig:
                 row_bucket=128, warmup=1, steps=2, ragged_lengths=(16, 40),
                 # tiny-llama: 512 bytes a cell (2 layers): 64 and 96 device rows
                 ragged_device_kv_gib=64 * 512 / GIB,
-                offload_seqs=2, offload_len=40, chat_context=64, chat_new_tokens=8,
+                offload_seqs=2, offload_len=40, offload_page_cells=8, chat_context=64,
+                chat_new_tokens=8,
                 chat_device_kv_gib=96 * 512 / GIB, prefill_chunk=16, chat_repeats=1)
     base.update(kw)
     return cls(**base)
@@ -169,16 +173,30 @@ def _bound(cfg, mc, row) -> dict[str, Any]:
               ratio_to_bound=row["tokens_per_s"] / (row["batch"] / b["bound_s"]))
 
 
-def _pool(cfg, mc, device_rows: int, host_cells: int, n_seqs: int):
+def host_pages_for(needs, device_rows: int, page_cells: int, fill_chunk: int,
+                   spare: int = 0) -> int:
+  """Host pages a fill of sequences with final ``needs`` (one fed ``fill_chunk`` cells at a time,
+  the others decoding) can use under the planner's windows: a page moves only whole, so a
+  sequence with window W holds at most ``floor((need - W) / page)`` pages; the most over which
+  sequence is being filled, plus ``spare``. (Allotting what is used, not every cell, keeps the
+  pinned-host pool, capped at 64 GiB by default, for the pages that exist.)"""
+  from rkv import planner
+  most = 0
+  for i in range(len(needs)):
+    feeds = [1] * len(needs)
+    feeds[i] = fill_chunk
+    wins = planner.pool_windows(list(needs), device_rows, page_cells, feeds)
+    most = max(most, sum(max(n - w, 0) // page_cells for n, w in zip(needs, wins)))
+  return most + spare
+
+
+def _pool(cfg, mc, device_rows: int, needs, spare: int = 0, page_cells: int | None = None):
   from rkv.pool import Pool
-  # Host pages for the cells beyond the device part, and a spare pair per sequence (each may
-  # hold a last page partly); the planner's windows decide how many are used (none when the
-  # batch fits the device part).
-  pages = 0 if cfg.tactic == "resident" else (
-      math.ceil(max(host_cells, 0) / cfg.page_cells) + 2 * n_seqs)
-  return Pool(mc, device_rows=device_rows, host_pages=pages, page_cells=cfg.page_cells,
-              tactic=cfg.tactic,
-              row_bucket=min(cfg.row_bucket or cfg.page_cells, device_rows))
+  page = page_cells or cfg.page_cells
+  pages = 0 if cfg.tactic == "resident" else host_pages_for(
+      needs, device_rows, page, max(cfg.fill_chunk, cfg.prefill_chunk), spare)
+  return Pool(mc, device_rows=device_rows, host_pages=pages, page_cells=page,
+              tactic=cfg.tactic, row_bucket=min(cfg.row_bucket or page, device_rows))
 
 
 def run_ragged(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, Any]]:
@@ -190,10 +208,10 @@ def run_ragged(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, An
   out = []
   for layout, lengths in (("ragged", tuple(int(n) for n in cfg.ragged_lengths)),
                           ("padded", (longest,) * len(cfg.ragged_lengths))):
-    pool = _pool(cfg, mc, rows, sum(lengths) - rows + len(lengths) * cfg.page_cells,
-                 len(lengths))
+    extra = cfg.warmup + cfg.steps + 2
+    pool = _pool(cfg, mc, rows, [n + extra for n in lengths])
     t0 = time.perf_counter()
-    seqs = fill(pool, lengths, cfg.warmup + cfg.steps + 2, chunk=cfg.fill_chunk, seed=cfg.seed)
+    seqs = fill(pool, lengths, extra, chunk=cfg.fill_chunk, seed=cfg.seed)
     log(f"pool_bench ragged: {layout} filled {sum(lengths)} cells in "
         f"{time.perf_counter() - t0:.1f} s ({pool})")
     row = dict(scenario="ragged", layout=layout, batch=len(lengths), lengths=list(lengths),
@@ -216,15 +234,18 @@ def run_ragged(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, An
 def run_offload(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, Any]]:
   """(c): ``offload_seqs`` x ``offload_len`` cells, ``host_fraction`` of them on the host."""
   mc, model = model or _model(cfg)
-  n, length = cfg.offload_seqs, cfg.offload_len
+  n, length, page = cfg.offload_seqs, cfg.offload_len, cfg.offload_page_cells
   total = n * length
-  host_cells = int(total * cfg.host_fraction)
-  # Each sequence also keeps up to a page minus one cell between page moves (the planner's rule).
-  rows = total - host_cells + n * cfg.page_cells
-  pool = _pool(cfg, mc, rows, host_cells + n * cfg.page_cells, n)
+  extra = cfg.warmup + cfg.steps + 2
+  # The whole pages nearest host_fraction of each sequence, and the device rows whose planned
+  # window W leaves exactly those on the host: each sequence holds up to W + page - 1 rows plus
+  # its feed between page moves (the planner's rule), the fill feeds fill_chunk at a time.
+  host_per_seq = max(1, round(cfg.host_fraction * length / page)) * page
+  window = length + extra - host_per_seq
+  rows = n * (window + page - 1) + cfg.fill_chunk
+  pool = _pool(cfg, mc, rows, [length + extra] * n, page_cells=page)
   t0 = time.perf_counter()
-  seqs = fill(pool, (length,) * n, cfg.warmup + cfg.steps + 2, chunk=cfg.fill_chunk,
-              seed=cfg.seed)
+  seqs = fill(pool, (length,) * n, extra, chunk=cfg.fill_chunk, seed=cfg.seed)
   log(f"pool_bench offload: filled {total} cells in {time.perf_counter() - t0:.1f} s ({pool})")
   row = dict(scenario="offload", batch=n, lengths=[length] * n, cells=total, device_rows=rows,
              tactic=pool.tactic)
@@ -253,7 +274,7 @@ def run_chat(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, Any]
   ctx, new = cfg.chat_context, cfg.chat_new_tokens
   rows = _rows_for(mc, cfg.chat_device_kv_gib)
   # The kept turn plus one more context of the same length (the full prefill's sequence).
-  pool = _pool(cfg, mc, rows, 2 * (ctx + new) - rows + 4 * cfg.page_cells, 2)
+  pool = _pool(cfg, mc, rows, [ctx + new + 2] * 2, spare=2)
   t0 = time.perf_counter()
   (turn1,) = fill(pool, (ctx,), new + 2, chunk=cfg.fill_chunk, seed=cfg.seed)
   log(f"pool_bench chat: turn 1 of {ctx} cells filled in {time.perf_counter() - t0:.1f} s")
