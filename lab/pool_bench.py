@@ -81,7 +81,7 @@ class PoolBenchConfig:
                 row_bucket=128, warmup=1, steps=2, ragged_lengths=(16, 40),
                 # tiny-llama: 512 bytes a cell (2 layers): 64 and 96 device rows
                 ragged_device_kv_gib=64 * 512 / GIB,
-                offload_seqs=2, offload_len=40, offload_page_cells=8, chat_context=64,
+                offload_seqs=2, offload_len=64, offload_page_cells=8, chat_context=64,
                 chat_new_tokens=8,
                 chat_device_kv_gib=96 * 512 / GIB, prefill_chunk=16, chat_repeats=1)
     base.update(kw)
@@ -241,11 +241,14 @@ def run_offload(cfg: PoolBenchConfig, log=print, model=None) -> list[dict[str, A
   # window W leaves exactly those on the host: each sequence holds up to W + page - 1 rows plus
   # its feed between page moves (the planner's rule), the fill feeds fill_chunk at a time.
   host_per_seq = max(1, round(cfg.host_fraction * length / page)) * page
-  window = length + extra - host_per_seq
+  window = length - host_per_seq  # a sequence of `length` cells then holds host_per_seq on the host
   rows = n * (window + page - 1) + cfg.fill_chunk
   pool = _pool(cfg, mc, rows, [length + extra] * n, page_cells=page)
   t0 = time.perf_counter()
   seqs = fill(pool, (length,) * n, extra, chunk=cfg.fill_chunk, seed=cfg.seed)
+  # The last sequence filled was planned with its fill chunk still to come: every sequence now
+  # gets the window the rows were sized for (decode's planned windows are larger: nothing moves).
+  pool.maintain(windows=dict.fromkeys(seqs, window))
   log(f"pool_bench offload: filled {total} cells in {time.perf_counter() - t0:.1f} s ({pool})")
   row = dict(scenario="offload", batch=n, lengths=[length] * n, cells=total, device_rows=rows,
              tactic=pool.tactic)

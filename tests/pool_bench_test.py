@@ -14,6 +14,6 @@ def test_every_scenario_runs_at_tiny_shapes():
   assert ragged["kv_bytes_read"] < padded["kv_bytes_read"]  # padding is read too
   for r in (ragged, padded, rows[("offload", None)]):
     assert r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0 and r["ratio_to_bound"] > 0
-  assert rows[("offload", None)]["host_kv_bytes"] > 0  # half the pool on the host
+  assert rows[("offload", None)]["host_share"] == 0.5  # whole pages, half of each sequence
   chat = rows[("chat", None)]
   assert chat["prefill_tokens_kept"] == cfg.chat_new_tokens and chat["kept_ttft_s"] > 0
