@@ -276,3 +276,46 @@ def test_save_refuses_a_directory_holding_other_files(tmp_path):
   pool = pool_lib.Pool(_Config(), device_rows=8, page_cells=4)
   with pytest.raises(ValueError, match=r"holds \['notes.txt'\] besides a pool save"):
     pool.save(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# At the Llama-3-8B attention shape on a GPU (Pallas kernels, bf16, pages streamed for real)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
+def test_a_ragged_bf16_pool_at_the_llama_shape_equals_the_reference(tactic):
+  import jax
+  h, kh, d = 32, 8, 128
+  cfg = dataclasses.replace(_Config(num_layers=1), num_kv_heads=kh, head_dim=d, dtype="bfloat16")
+  pool = pool_lib.Pool(cfg, device_rows=40960, host_pages=16, page_cells=4096, tactic=tactic)
+  rng = np.random.default_rng(5)
+  lengths = (20000, 9000, 33000)
+  needs = {i: n + 600 for i, n in enumerate(lengths)}
+  hist = {}
+  for n in lengths:
+    s = pool.add()
+    k = rng.standard_normal((n, kh, d)).astype(jnp.bfloat16)
+    v = rng.standard_normal((n, kh, d)).astype(jnp.bfloat16)
+    for lo in range(0, n, 4096):
+      pool.extend(s, [1] * min(4096, n - lo), [(k[lo:lo + 4096], v[lo:lo + 4096])], needs=needs)
+    hist[s] = [k, v]
+  assert all(pool.table(s)["pages"] for s in (0, 2))
+  tol = TOLERANCES["bfloat16"]["o"]
+  for t in (512, 1):                   # a prefill chunk, then a decode step
+    feeds = [(s, [1] * t) for s in hist]
+    tokens, q_pos, caches = pool.prepare(feeds, needs=needs)
+    b, tt = tokens.shape
+    q = jnp.asarray(rng.standard_normal((b, tt, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, tt, kh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, tt, kh, d)), jnp.bfloat16)
+    o, c = caches[0].attend(q, k, v, jnp.asarray(q_pos), impl="pallas")
+    pool.commit([c])
+    for row, (s, _) in enumerate(feeds):
+      hist[s] = [np.concatenate([hist[s][0], np.asarray(k[row, tt - t:])]),
+                 np.concatenate([hist[s][1], np.asarray(v[row, tt - t:])])]
+      o_ref, _ = rkv.attention(q[row:row + 1, tt - t:], jnp.asarray(hist[s][0])[None],
+                               jnp.asarray(hist[s][1])[None],
+                               q_pos=jnp.asarray(q_pos[row:row + 1, tt - t:]), impl="reference")
+      np.testing.assert_allclose(np.asarray(o[row, tt - t:], np.float32),
+                                 np.asarray(o_ref[0], np.float32), atol=tol[0], rtol=tol[1])
+    jax.block_until_ready(o)
