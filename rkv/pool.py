@@ -128,10 +128,6 @@ class PoolKV:
   def rows(self) -> int:
     return self.k.shape[0]
 
-  @property
-  def page_cells(self) -> int:
-    return _page_cells(self)
-
   def with_layout(self, layout: StepLayout | None) -> "PoolKV":
     return dataclasses.replace(self, layout=layout)
 
@@ -147,16 +143,20 @@ class PoolKV:
     return ()  # pages are streamed by attend itself (no cross-layer prefetcher for pools)
 
   def attend(self, q, k, v, positions, *, window=None, softcap=None, scale=None, impl="auto",
-             schedule=None, **unused) -> tuple[jax.Array, "PoolKV"]:
+             schedule=None, staged=None) -> tuple[jax.Array, "PoolKV"]:
     """Scatters the chunk ``k, v [B,T,K,D]`` into its rows and returns ``(o, new cache)``:
     causal attention of ``q`` over each batch row's cells (device rows and host pages, merged by
-    LSE). ``positions [B,T]`` must be the layout's (padding -1)."""
+    LSE). ``positions [B,T]`` must be the layout's (padding -1). Pages stream on the eager
+    schedule (``schedule`` None or ``"eager"``); a pool takes no prefetched ``staged`` tiles."""
     where = "PoolKV.attend"
     if self.layout is None:
       raise ValueError(f"{where}: the cache has no step layout; run steps through "
                        f"rkv.pool.Pool.prepare (or rkv.serving.Scheduler)")
-    if unused.get("staged"):
+    if staged:
       raise ValueError(f"{where}: a pool streams its own pages (no prefetcher); got staged tiles")
+    if schedule not in (None, "eager"):
+      raise ValueError(f"{where}: a pool's pages stream on the eager schedule only (its layered "
+                       f"step is never one jitted program), got schedule={schedule!r}")
     validation.check_choice(where, "impl", impl, IMPLS)
     lay = self.layout
     if tuple(k.shape[:2]) != tuple(lay.write_rows.shape) or v.shape != k.shape:
@@ -170,10 +170,8 @@ class PoolKV:
 
     tiles = [stream.Tile(self.host_k[p], self.host_v[p], pos, None, None)
              for p, pos in zip(lay.stream_pages, lay.stream_pos)]
-    b = q.shape[0]
     part = stream.stream_attention(
-        tiles, lambda t: _page_partial(q, t.k, t.v, _page_rows(b, t.k.shape[1]), positions,
-                                       t.pos, **kw),
+        tiles, lambda t: _page_partial(q, t.k, t.v, positions, t.pos, **kw),
         schedule="eager", lookahead=stream.DEFAULT_LOOKAHEAD, resident=resident,
         out_shape=q.shape, out_dtype=jnp.float32)
     parts = [part]
@@ -187,25 +185,6 @@ class PoolKV:
 
 jax.tree_util.register_dataclass(PoolKV, data_fields=["k", "v", "host_k", "host_v"],
                                  meta_fields=["layout", "tactic", "cpu_fraction"])
-
-
-def _page_cells(kv: PoolKV) -> int:
-  for x in kv.host_k:
-    if x is not None:
-      return x.shape[1]
-  return 0
-
-
-_ROWS_CACHE: dict = {}
-
-
-def _page_rows(b: int, page: int) -> jax.Array:
-  """``[B,page]`` rows ``0..page-1``: a page as a one-page pool read by every batch row (the
-  positions mask out rows that do not reference it)."""
-  key = (b, page)
-  if key not in _ROWS_CACHE:
-    _ROWS_CACHE[key] = jnp.broadcast_to(jnp.arange(page, dtype=jnp.int32), (b, page))
-  return _ROWS_CACHE[key]
 
 
 def _scatter_impl(kp, vp, k, v, rows):
@@ -229,7 +208,11 @@ def _device_partial_impl(q, kp, vp, rows, q_pos, k_pos, *, window, softcap, scal
 _device_partial = jax.jit(_device_partial_impl, static_argnames=_STATIC)
 
 
-def _page_partial_impl(q, pk, pv, rows, q_pos, k_pos, *, window, softcap, scale, impl):
+def _page_partial_impl(q, pk, pv, q_pos, k_pos, *, window, softcap, scale, impl):
+  # A page ``[1,P,K,D]`` as a one-page pool read by every batch row: rows 0..P-1 for all, the
+  # positions ``k_pos [B,P]`` (-1) mask the rows that do not reference it.
+  b, p = q.shape[0], pk.shape[1]
+  rows = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   o, lse = attention(q, pk[0], pv[0], kv_rows=rows, q_pos=q_pos, k_pos=k_pos, causal=True,
                      window=window, softcap=softcap, scale=scale, impl=impl)
   return o.astype(jnp.float32), lse
