@@ -24,6 +24,8 @@ _TACTIC = flags.DEFINE_enum("tactic", "stream", ["stream", "cpu", "hybrid"],
                             "How the host pages are attended.")
 _PROFILE = flags.DEFINE_string("profile", None, "The planner's profile JSON for the bounds "
                                "(default: rkv.H200_DEFAULT).")
+_RAGGED_GIB = flags.DEFINE_float("ragged_device_kv_gib", None, "(b)'s device KV budget in GiB "
+                                  "(default: the config's).")
 _STEPS = flags.DEFINE_integer("steps", None, "Timed decode steps (default: the config's).",
                               lower_bound=1)
 
@@ -35,6 +37,8 @@ def main(argv):
   del argv
   benchmarking.check_output_path(_OUT.value)
   kw = dict(tactic=_TACTIC.value, profile_path=_PROFILE.value)
+  if _RAGGED_GIB.value is not None:
+    kw["ragged_device_kv_gib"] = _RAGGED_GIB.value
   if _STEPS.value is not None:
     kw["steps"] = _STEPS.value
   cfg = pool_bench.PoolBenchConfig.quick(**kw) if _QUICK.value else \
