@@ -32,13 +32,17 @@ def _prompts(*lengths, seed=0):
   return [rng.integers(1, 128, n).tolist() for n in lengths]
 
 
-def _gate(model, prompt, finished):
-  """The sequence's logits against the model's own full forward over prompt + generated."""
-  full = list(prompt) + list(finished.tokens[:-1])
-  ref = np.asarray(model(jnp.asarray([full])))[0, len(prompt) - 1:]
-  metrics = gates.logit_metrics(ref, finished.logits)
-  ok, why = gates.check_gate(metrics, "float32")
-  assert ok, why
+def _gate(model, prompts, finished):
+  """Each sequence's logits against the model's own full forward over its prompt + generated
+  tokens, alone (no cache, no pool). One forward for all: each context right-padded to the
+  longest, which causal attention makes invisible to the positions compared."""
+  fulls = [list(p) + list(f.tokens[:-1]) for p, f in zip(prompts, finished)]
+  t = max(len(x) for x in fulls)
+  ref = np.asarray(model(jnp.asarray([x + [0] * (t - len(x)) for x in fulls])))
+  for i, (p, f, x) in enumerate(zip(prompts, finished, fulls)):
+    metrics = gates.logit_metrics(ref[i, len(p) - 1:len(x)], f.logits)
+    ok, why = gates.check_gate(metrics, "float32")
+    assert ok, (i, why)
 
 
 @pytest.mark.parametrize("tactic", ["stream", "hybrid"])
@@ -58,9 +62,9 @@ def test_each_sequence_of_a_ragged_continuous_batch_passes_its_own_gate(model, t
       joined_late = sched.steps  # the third request waited for a slot
   out = sched.collect()
   assert joined_late > 1 and moved, (joined_late, moved)
-  for i, p in zip(ids, prompts):
+  for i in ids:
     assert out[i].reason == "max_new_tokens" and len(out[i].tokens) == 6
-    _gate(model, p, out[i])
+  _gate(model, prompts, [out[i] for i in ids])
   assert not pool.seqs and pool.free_rows == 64  # every finished sequence left the pool
 
 
@@ -84,10 +88,10 @@ def test_sampling_and_stop_tokens_match_single_sequence_generate(model):
   assert out[b].tokens == tuple(sampled.tokens[0])
   assert [e.token for e in events if e.seq == b] == list(sampled.tokens[0])
   assert sum(e.finished for e in events) == 2
-  _gate(model, p_greedy, out[a])
+  _gate(model, [p_greedy, p_sampled], [out[a], out[b]])
 
 
-def test_a_kept_conversation_prefills_only_the_new_turn(model):
+def test_a_kept_conversation_prefills_only_the_new_turn(model, tmp_path):
   turn1, extra = _prompts(30, 7, seed=2)
   pool = pool_lib.Pool(model.config, device_rows=48, host_pages=16, page_cells=8, row_bucket=48)
   sched = serving.Scheduler(model, pool, max_batch=2, chunk=CHUNK, record_logits=True)
@@ -95,11 +99,22 @@ def test_a_kept_conversation_prefills_only_the_new_turn(model):
   out1 = sched.run()[first]
   kept = sched.seq_of(first)
   assert pool.length(kept) == len(turn1) + 3  # the last token was sampled, not yet fed
+  saved_rows = len(pool.table(kept)["rows"])
+  pool.save(str(tmp_path / "session"))
   turn2 = turn1 + list(out1.tokens) + extra
   second = sched.add(serving.Request(turn2, max_new_tokens=4))
   out2 = sched.run()[second]
   assert out2.shared == len(turn1) + 3
-  _gate(model, turn2, out2)
+  # The saved session, resumed under a smaller device part (its cells split differently between
+  # rows and pages), serves the same second turn.
+  resumed = pool_lib.Pool.load(str(tmp_path / "session"), model.config, device_rows=24,
+                               host_pages=16, row_bucket=24)
+  assert len(resumed.table(kept)["rows"]) < saved_rows
+  again = serving.Scheduler(model, resumed, max_batch=2, chunk=8, record_logits=True)
+  third = again.add(serving.Request(turn2, max_new_tokens=4))
+  out3 = again.run()[third]
+  assert out3.shared == out2.shared and out3.tokens == out2.tokens
+  _gate(model, [turn2, turn2], [out2, out3])
   sched.release(first)
   assert not pool.seqs and pool.free_pages == 16
   with pytest.raises(ValueError, match="holds no kept rows"):
