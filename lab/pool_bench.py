@@ -20,7 +20,6 @@ what it measures. Every decode figure is the median of ``steps`` steps after ``w
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from typing import Any

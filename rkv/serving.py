@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rkv import generate as gen
+from rkv import planner
 from rkv import validation
 from rkv.models.transformer import layered_forward
 from rkv.pool import Pool
@@ -236,9 +237,40 @@ class Scheduler:
     return events
 
   # --- internals ---
+  def _fits(self, req: Request) -> bool:
+    """Whether the pool can hold the running sequences, the kept ones and ``req`` at their
+    final lengths (the planner's windows, and host pages for what they leave off the device:
+    shared cells counted for each sharer, so the estimate errs on the safe side)."""
+    pool = self.pool
+    needs, feeds = [], []
+    running = {self._ticket_seq[t]: r for t, r in self._running.items()}
+    for sid in pool.seqs:
+      r = running.get(sid)
+      needs.append(len(r.request.prompt) + r.request.max_new_tokens if r else pool.length(sid))
+      feeds.append(self.chunk if r else 0)
+    needs.append(len(req.prompt) + req.max_new_tokens)
+    feeds.append(min(self.chunk, len(req.prompt)))
+    if pool.tactic == "resident":
+      return sum(needs) + sum(feeds) <= pool.device_rows
+    try:
+      wins = planner.pool_windows(needs, pool.device_rows, pool.page_cells, feeds)
+    except ValueError:
+      return False
+    pages = sum(max(n - w, 0) // pool.page_cells for n, w in zip(needs, wins))
+    return pages <= pool.host_pages
+
   def _admit(self) -> None:
     while self._waiting and len(self._running) < self.max_batch:
-      ticket, req = self._waiting.popleft()
+      ticket, req = self._waiting[0]
+      if not self._fits(req):
+        if not self._running:
+          raise ValueError(
+              f"Scheduler: request {ticket} ({len(req.prompt)} prompt + {req.max_new_tokens} new "
+              f"tokens) does not fit the pool ({self.pool}) even with nothing else running"
+              f"{' but kept conversations (release some)' if self.pool.seqs else ''}: give the "
+              f"pool more device_rows or host_pages")
+        return  # it joins when running sequences leave
+      self._waiting.popleft()
       shared, src = 0, None
       if req.share_prefix:
         src, n = self.pool.find_prefix(req.prompt)

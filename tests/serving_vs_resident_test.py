@@ -119,3 +119,18 @@ def test_a_kept_conversation_prefills_only_the_new_turn(model, tmp_path):
   assert not pool.seqs and pool.free_pages == 16
   with pytest.raises(ValueError, match="holds no kept rows"):
     sched.release(first)
+
+
+def test_a_request_waits_until_the_pool_can_hold_it(model):
+  # 32 device rows, no host pages: two 20-token contexts cannot run at once, so the second waits
+  # for the first to leave; one that can never fit is refused by name.
+  pool = pool_lib.Pool(model.config, device_rows=32, host_pages=0, page_cells=8, row_bucket=32)
+  sched = serving.Scheduler(model, pool, max_batch=4, chunk=CHUNK)
+  a, b = (sched.add(serving.Request(p, max_new_tokens=4)) for p in _prompts(16, 16, seed=3))
+  sched.step()
+  assert sched.seq_of(a) is not None and sched.seq_of(b) is None
+  out = sched.run()
+  assert set(out) == {a, b} and len(out[b].tokens) == 4
+  sched.add(serving.Request(_prompts(60)[0], max_new_tokens=4))
+  with pytest.raises(ValueError, match="does not fit the pool .* even with nothing else running"):
+    sched.step()
