@@ -14,7 +14,9 @@
 Each step feeds every running sequence: the next prompt chunk (up to ``chunk`` tokens) of one
 still prefilling, its last token to one decoding (chunked prefill beside decode in one batch,
 rows of different lengths left-padded). A request joins at the next step when the batch has room
-(``max_batch``) and leaves the step it finishes (a stop token or ``max_new_tokens``). With
+(``max_batch``) and the pool can hold it beside the others at their final lengths (the planner's
+windows and the host pages), and leaves the step it finishes (a stop token or
+``max_new_tokens``). With
 ``share_prefix`` a request starts from the live sequence sharing its longest prefix (its rows are
 shared, only the rest is prefilled); ``keep=True`` keeps a finished sequence's rows in the pool
 (the conversation cache: the next turn, whose prompt starts with this turn's tokens, prefills only
