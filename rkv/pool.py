@@ -704,7 +704,7 @@ class Pool:
       os.makedirs(parent, exist_ok=True)
       tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
       self._write_save(tmp)
-      cache_lib._install(tmp, target)
+      cache_lib.install_save(tmp, target)
     except OSError as e:
       raise ValueError(f"Pool.save: could not save the session to {directory!r} ({e}); the "
                        f"previous save there, if any, is unchanged") from e
@@ -755,8 +755,8 @@ class Pool:
       json.dump(manifest, f)
       f.flush()
       os.fsync(f.fileno())
-    os.chmod(out, 0o777 & ~cache_lib._umask())
-    cache_lib._fsync_dir(out)
+    os.chmod(out, 0o777 & ~cache_lib.current_umask())
+    cache_lib.fsync_dir(out)
 
   @classmethod
   def load(cls, directory: str, config, *, device_rows: int, host_pages: int,
@@ -927,7 +927,7 @@ def _read_save(directory, config, verify, where):
       if os.path.getsize(fpath) != nbytes or int(spec["bytes"]) != nbytes:
         raise ValueError(f"{where}: {fpath} has {os.path.getsize(fpath)} bytes, expected "
                          f"{nbytes}: truncated or foreign file")
-      if verify and cache_lib._file_crc(fpath) != int(spec["crc32"]):
+      if verify and cache_lib.file_crc32(fpath) != int(spec["crc32"]):
         raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
       out.append(np.fromfile(fpath, dtype=dt).reshape(shape) if nbytes else np.zeros(shape, dt))
   except (KeyError, TypeError) as e:

@@ -211,14 +211,14 @@ class Scheduler:
     picked = {}
     greedy = [i for i in emit if rows[i][1].request.temperature == 0]
     if greedy:
-      g = np.asarray(gen._greedy(last))
+      g = np.asarray(gen.greedy(last))
       picked.update({i: int(g[i]) for i in greedy})
     for i in emit:
       req = rows[i][1].request
       if req.temperature != 0:
         run = rows[i][1]
         key = jax.random.fold_in(jax.random.key(req.seed), len(run.generated))
-        picked[i] = int(np.asarray(gen._sample(
+        picked[i] = int(np.asarray(gen.sample(
             last[i:i + 1], key, jnp.float32(req.temperature), jnp.float32(req.top_p),
             jnp.int32(req.top_k)))[0])
     host_logits = np.asarray(last) if self.record_logits else None
