@@ -271,6 +271,40 @@ def test_a_failed_save_keeps_the_previous_one(tmp_path, monkeypatch, fault, why)
     pool_lib.Pool.load(str(directory), _Config(), device_rows=40, host_pages=24)
 
 
+_KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+from rkv import pool as pool_lib
+from tests.pool_test import _Config
+pool = pool_lib.Pool(_Config(), device_rows=16, host_pages=4, page_cells=4)
+s = pool.add()
+pool.extend(s, [1] * 6, [(np.ones((6, 2, 16), np.float32),) * 2] * 2)
+real = open
+def dying(path, *a, **kw):
+  if str(path).endswith("pages.bin"):  # rows.bin is written: the writer dies midway
+    os.kill(os.getpid(), signal.SIGKILL)
+  return real(path, *a, **kw)
+import builtins
+builtins.open = dying
+pool.save(sys.argv[1])
+"""
+
+
+def test_a_killed_writer_keeps_the_previous_save(tmp_path):
+  import subprocess
+  import sys
+  pool, _, a, b = _session()
+  directory = tmp_path / "s"
+  pool.save(str(directory))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], cwd=root,
+                        capture_output=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+  loaded = pool_lib.Pool.load(str(directory), _Config(), device_rows=40, host_pages=24)
+  assert {s: loaded.tokens(s) for s in loaded.seqs} == {s: pool.tokens(s) for s in pool.seqs}
+
+
 def test_save_refuses_a_directory_holding_other_files(tmp_path):
   (tmp_path / "notes.txt").write_text("mine")
   pool = pool_lib.Pool(_Config(), device_rows=8, page_cells=4)
