@@ -598,6 +598,12 @@ def _presets() -> dict[str, ModelConfig]:
           rope=RopeConfig(theta=1_000_000.0), rms_norm_eps=1e-6, qkv_bias=True,
           tie_embeddings=True, max_position_embeddings=131072, family="qwen2",
           name="qwen2.5-1.5b", dtype="bfloat16"),
+      # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128 given explicitly, no qkv bias
+      "qwen3-8b": ModelConfig(
+          vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+          num_heads=32, num_kv_heads=8, head_dim=128, layer_windows=(None,) * 36,
+          rope=RopeConfig(theta=1_000_000.0), rms_norm_eps=1e-6, qk_norm=True,
+          max_position_embeddings=40960, family="qwen3", name="qwen3-8b", dtype="bfloat16"),
       # mistralai/Mistral-7B-v0.1 (sliding window 4096 on every layer)
       "mistral-7b": ModelConfig(
           vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -627,6 +633,8 @@ def _presets() -> dict[str, ModelConfig]:
                                             name="tiny-llama", **tiny)
   p["tiny-qwen2"] = p["qwen2.5-1.5b"].replace(num_layers=2, layer_windows=(None,) * 2,
                                                name="tiny-qwen2", **tiny)
+  p["tiny-qwen3"] = p["qwen3-8b"].replace(num_layers=2, layer_windows=(None,) * 2,
+                                           name="tiny-qwen3", **tiny)
   p["tiny-mistral"] = p["mistral-7b"].replace(num_layers=2, layer_windows=(8,) * 2,
                                                name="tiny-mistral", **tiny)
   p["tiny-gemma2"] = p["gemma2-2b"].replace(
