@@ -23,7 +23,7 @@ kernels ``[in, out]``, so projections are transposed):
 | ``P layers.i.self_attn.{q,k,v}_proj.weight``    | ``layers.i.attn.qkv_proj.kernel`` (T, columns q, k, v) |
 | ``P layers.i.self_attn.{q,k,v}_proj.bias``      | ``layers.i.attn.qkv_proj.bias`` (same columns) |
 | ``P layers.i.self_attn.o_proj.{weight,bias}``   | ``layers.i.attn.o_proj.{kernel (T),bias}`` |
-| ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Gemma-3) |
+| ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Qwen3, Gemma-3) |
 | ``P layers.i.mlp.{gate,up}_proj.weight``        | ``layers.i.mlp.gate_up_proj.kernel`` (T, columns gate, up) |
 | ``P layers.i.mlp.down_proj.weight``             | ``layers.i.mlp.down_proj.kernel`` (T)      |
 | ``P layers.i.input_layernorm.weight``           | ``layers.i.attn_norm.scale``               |
