@@ -9,9 +9,9 @@ header, raw little-endian tensors): the tensors are ``numpy.memmap`` views, bflo
 ``ml_dtypes`` (a JAX dependency), so a checkpoint is never held twice in host memory.
 
 Loading keeps the checkpoint's own dtype unless told otherwise (a bf16 checkpoint is a bf16
-model, and its KV cache is bf16), casts and transposes each weight on the host (numpy, from the
-memmap) and copies it to the device once, already in its final dtype and layout: no device-side
-cast or transpose copy, no float32 detour.
+model, and its KV cache is bf16), assembles each parameter on the host (numpy, from the memmap:
+cast, transposed, the fused projections side by side) and copies it to the device once, already
+in its final dtype and layout: no device-side cast or transpose copy, no float32 detour.
 
 HF weight names -> model parameters (``P`` = ``model.``, or for Gemma-3 multimodal checkpoints
 ``language_model.model.`` / ``model.language_model.``; HF linear weights are ``[out, in]``, NNX
