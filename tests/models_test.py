@@ -448,6 +448,7 @@ def test_load_hf_resolves_hub_ids_from_the_local_cache(tmp_path, monkeypatch):
   assert models.resolve_checkpoint("tiny-org/tiny-llama") == snap
   model = models.load_hf("tiny-org/tiny-llama", impl="xla")
   local = models.load_hf(src, impl="xla")
+  assert model.config.name == "tiny-org/tiny-llama"  # the id, not the snapshot's hash
   assert model.config.replace(name="x") == local.config.replace(name="x")
   for a, b in zip(_params(model), _params(local)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

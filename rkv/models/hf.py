@@ -309,16 +309,20 @@ def weights_dtype(tensors) -> str | None:
   return name if name in DTYPES else None
 
 
-def checkpoint_dtype(config: dict, tensors=None) -> str:
-  """The dtype a checkpoint loads in by default: its ``config.json``'s ``dtype`` (transformers 5)
-  or ``torch_dtype`` (4.x), also inside ``text_config``; else the float dtype of most of its
-  weights (``tensors``: the safetensors views, whose headers say it); else float32."""
+def _config_dtype(config: dict) -> str | None:
   for d in (config, config.get("text_config") or {}):
     for key in ("dtype", "torch_dtype"):
       name = _dtype_name(d.get(key))
       if name:
         return name
-  return (weights_dtype(tensors) if tensors else None) or "float32"
+  return None
+
+
+def checkpoint_dtype(config: dict, tensors=None) -> str:
+  """The dtype a checkpoint loads in by default: its ``config.json``'s ``dtype`` (transformers 5)
+  or ``torch_dtype`` (4.x), also inside ``text_config``; else the float dtype of most of its
+  weights (``tensors``: the safetensors views, whose headers say it); else float32."""
+  return _config_dtype(config) or (weights_dtype(tensors) if tensors else None) or "float32"
 
 
 def _read_config_json(path: str) -> dict:
@@ -343,20 +347,26 @@ def load_config(path: str, *, dtype=None, revision: str | None = None) -> ModelC
   """The :class:`ModelConfig` of a checkpoint's ``config.json`` (a folder, or a hub id in the
   local HF cache: :func:`resolve_checkpoint`). ``dtype=None``: the checkpoint's own
   (:func:`checkpoint_dtype`; the safetensors headers are read only when the config names none)."""
-  path = resolve_checkpoint(path, revision=revision, where="load_config")
-  return _config_of(path, _read_config_json(path), dtype, tensors=None)
+  folder = resolve_checkpoint(path, revision=revision, where="load_config")
+  return _config_of(folder, _read_config_json(folder), dtype, None, _checkpoint_name(path, folder))
 
 
-def _config_of(path: str, d: dict, dtype, tensors) -> ModelConfig:
+def _checkpoint_name(path_or_id, folder: str) -> str:
+  """The model's name: the hub id as given when it came from the cache (not the snapshot's
+  commit hash), else the folder's name."""
+  given = os.fspath(path_or_id)
+  return given if given != folder else os.path.basename(os.path.normpath(folder))
+
+
+def _config_of(folder: str, d: dict, dtype, tensors, name: str) -> ModelConfig:
   if dtype is None:
-    if tensors is None and not any(_dtype_name(x.get(k)) for x in (d, d.get("text_config") or {})
-                                   for k in ("dtype", "torch_dtype")):
+    if tensors is None and _config_dtype(d) is None:
       try:
-        tensors = _read_weights(path)  # headers only: the data stays memory-mapped, unread
+        tensors = _read_weights(folder)  # headers only: the data stays memory-mapped, unread
       except ValueError:
         tensors = None
     dtype = checkpoint_dtype(d, tensors)
-  return ModelConfig.from_hf(d, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
+  return ModelConfig.from_hf(d, dtype=dtype, name=name)
 
 
 class WeightSlot(NamedTuple):
@@ -471,11 +481,11 @@ def load_hf(path: str, dtype=None, *, impl: str = "auto", progress: bool | None 
   A missing folder/file, a hub id not in the cache, an unsupported architecture or a missing or
   misshapen tensor raises ``ValueError`` naming it.
   """
-  path = resolve_checkpoint(path, revision=revision, where="load_hf")
-  where = f"load_hf({path})"
-  d = _read_config_json(path)
-  tensors = _read_weights(path)
-  config = _config_of(path, d, dtype, tensors)
+  folder = resolve_checkpoint(path, revision=revision, where="load_hf")
+  where = f"load_hf({folder})"
+  d = _read_config_json(folder)
+  tensors = _read_weights(folder)
+  config = _config_of(folder, d, dtype, tensors, _checkpoint_name(path, folder))
 
   prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors), None)
   if prefix is None:
