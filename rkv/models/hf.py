@@ -504,7 +504,7 @@ def load_hf(path: str, dtype=None, *, impl: str = "auto", progress: bool | None 
   return model_from_tensors(config, tensors, mapping, where=where, impl=impl, progress=progress)
 
 
-def _progress_bar(mapping, tensors, progress: bool | None, where: str):
+def _progress_bar(mapping, tensors, progress: bool | None):
   """A tqdm bar over the bytes of ``mapping``'s tensors, or None (see :func:`load_hf`)."""
   total = sum(int(tensors[s.name].nbytes) for s in mapping if s.name in tensors)
   if progress is None:
@@ -529,7 +529,7 @@ def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
   values = nnx.to_pure_dict(state)
   host: dict[tuple, np.ndarray] = {}    # parameter path -> its host buffer
   filled: dict[tuple, int] = {}         # parameter path -> columns filled so far
-  bar = _progress_bar(mapping, tensors, progress, where)
+  bar = _progress_bar(mapping, tensors, progress)
   for slot in mapping:
     want = _get(values, slot.path)
     cols = (0, want.shape[-1]) if slot.columns is None else slot.columns
