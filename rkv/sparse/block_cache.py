@@ -136,9 +136,10 @@ class HostStore:
     return n + (0 if self.scale is None else two * bs * kh * 4)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class Residency:
-  """``page_table [B,NB]`` int32: the slot of block (b, n), -1 when not resident;
+  """Mutable while one step updates its own copy (:meth:`copy`); a cache never shares it.
+  ``page_table [B,NB]`` int32: the slot of block (b, n), -1 when not resident;
   ``slot_block [slots]`` int32: ``b*NB + n`` of the block a slot holds, -1 free; ``ref [slots]``
   bool: CLOCK's reference bits; ``hand``: CLOCK's next slot."""
 
