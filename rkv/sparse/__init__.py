@@ -11,10 +11,13 @@ from rkv.sparse.blocks import (BlockSummaries, OracleSelector, QuestSelector, SE
                                select_blocks, selector, summarize)
 from rkv.sparse.block_cache import (BlockCache, BlockCacheConfig, HostStore, PRESETS, Residency,
                                     StepCounters, check_residency, load, preset, save)
+from rkv.sparse.plan import (ApproximateAttentionWarning, block_cache_for, layer_bytes,
+                             sparse_plan)
 
 __all__ = [
     "BlockSummaries", "OracleSelector", "QuestSelector", "SELECTORS", "SelectionView", "Selector",
     "block_attention", "block_rows", "must_read", "select_blocks", "selector", "summarize",
     "BlockCache", "BlockCacheConfig", "HostStore", "PRESETS", "Residency", "StepCounters",
     "check_residency", "load", "preset", "save",
+    "ApproximateAttentionWarning", "block_cache_for", "layer_bytes", "sparse_plan",
 ]
