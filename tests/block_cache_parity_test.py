@@ -75,6 +75,7 @@ def _run(cache, rng, steps, *, start, steps_log, forced=None):
     st = cache.last_step
     assert st.hits + st.misses == need
     assert st.bytes_from_host == st.misses * cache.store.block_bytes
+    assert st.moved_bytes == (st.misses and 1 << (st.misses - 1).bit_length()) * cache.store.block_bytes
     assert st.transfers == int(st.misses > 0)  # one batched transfer per step, not per block
     assert cache.totals == before + st
     steps_log.append(st)

@@ -11,6 +11,8 @@ from rkv.sparse.blocks import (BlockSummaries, OracleSelector, QuestSelector, SE
                                select_blocks, selector, summarize)
 from rkv.sparse.block_cache import (BlockCache, BlockCacheConfig, HostStore, PRESETS, Residency,
                                     StepCounters, check_residency, load, preset, save)
+from rkv.sparse.ring import (DraftFallbackWarning, DraftRing, ResidentDraftKV, draft_kv,
+                             host_copy_bytes)
 from rkv.sparse.plan import (ApproximateAttentionWarning, block_cache_for, layer_bytes,
                              sparse_plan)
 
@@ -20,4 +22,5 @@ __all__ = [
     "BlockCache", "BlockCacheConfig", "HostStore", "PRESETS", "Residency", "StepCounters",
     "check_residency", "load", "preset", "save",
     "ApproximateAttentionWarning", "block_cache_for", "layer_bytes", "sparse_plan",
+    "DraftFallbackWarning", "DraftRing", "ResidentDraftKV", "draft_kv", "host_copy_bytes",
 ]

@@ -167,13 +167,15 @@ def check_residency(res: Residency) -> None:
 @dataclasses.dataclass(frozen=True)
 class StepCounters:
   """Blocks (unique (sequence, block) pairs) a step needed, found resident, fetched, evicted;
-  bytes read from the host (fetched blocks; a dense prefill chunk's cells in ``dense_bytes``)."""
+  bytes read from the host (the fetched blocks'; ``moved_bytes``: with the transfer's padding to
+  a power of two of blocks; a dense prefill chunk's cells in ``dense_bytes``)."""
 
   steps: int = 0
   hits: int = 0
   misses: int = 0
   evictions: int = 0
   bytes_from_host: int = 0
+  moved_bytes: int = 0
   dense_bytes: int = 0
   transfers: int = 0
 
@@ -349,8 +351,7 @@ class BlockCache:
       new_kv = np.stack([np.asarray(kq), np.asarray(vq)], 2)       # [B,T,2,K,D]
       new_scale = np.stack([np.asarray(ks), np.asarray(vs)], 2)    # [B,T,2,K]
     else:
-      new_kv = np.stack([np.asarray(jnp.asarray(k).astype(self.dtype)),
-                         np.asarray(jnp.asarray(v).astype(self.dtype))], 2)
+      new_kv = np.stack([np.asarray(k).astype(self.dtype), np.asarray(v).astype(self.dtype)], 2)
       new_scale = None
     pos = np.asarray(pos, np.int32)
     cells = np.arange(self.fill, self.fill + t)
@@ -380,9 +381,9 @@ class BlockCache:
                              st.pos[:, touched].reshape(b, n * self.block_cells),
                              block_cells=self.block_cells,
                              k_scale=None if ks is None else ks.reshape(b, n * self.block_cells, kh))
-    idx = jnp.asarray(touched, jnp.int32)
-    return dataclasses.replace(self, **slots, k_min=self.k_min.at[:, idx].set(summ.k_min),
-                               k_max=self.k_max.at[:, idx].set(summ.k_max), fill=self.fill + t)
+    k_min, k_max = _set_summaries(self.k_min, self.k_max, jnp.asarray(touched, jnp.int32),
+                                  summ.k_min, summ.k_max)
+    return dataclasses.replace(self, **slots, k_min=k_min, k_max=k_max, fill=self.fill + t)
 
   # --- reads ---
   def view(self, *, with_keys: bool = False) -> _blocks.SelectionView:
@@ -470,18 +471,26 @@ class BlockCache:
     if len(misses):
       # One transfer: the missed blocks gathered into one contiguous host buffer (plus their
       # positions and scales, moved by the same device_put).
-      b_m, n_m = misses // nb, misses % nb
+      # The buffer is padded to a power of two of blocks (padding goes to no slot), so the
+      # scatter compiles once per bucket, not once per miss count.
+      m = len(misses)
+      bucket = 1 << (m - 1).bit_length()
+      b_m = np.zeros(bucket, np.int64)
+      n_m = np.zeros(bucket, np.int64)
+      b_m[:m], n_m[:m] = misses // nb, misses % nb
       st = self.store
-      host = (np.ascontiguousarray(st.kv[b_m, n_m]), np.ascontiguousarray(st.pos[b_m, n_m]),
-              None if st.scale is None else np.ascontiguousarray(st.scale[b_m, n_m]))
-      nbytes = sum(x.nbytes for x in host if x is not None)
+      host = (st.kv[b_m, n_m], st.pos[b_m, n_m], None if st.scale is None else st.scale[b_m, n_m])
+      nbytes = m * st.block_bytes
+      padded = bucket * st.block_bytes
       kv_d, pos_d, sc_d = jax.device_put(host)
+      to = np.full(bucket, slots, np.int32)  # past the pool: dropped
+      to[:m] = chosen
       upd = _fill_slots(self.k_slots, self.v_slots, self.slot_pos, self.k_scale_slots,
-                        self.v_scale_slots, jnp.asarray(np.asarray(chosen, np.int32)), kv_d,
-                        pos_d, sc_d)
+                        self.v_scale_slots, jnp.asarray(to), kv_d, pos_d, sc_d)
       new = dataclasses.replace(self, **upd)
     counted = StepCounters(steps=1, hits=int(hit.sum()), misses=len(misses), evictions=evictions,
-                           bytes_from_host=nbytes, transfers=int(len(misses) > 0))
+                           bytes_from_host=nbytes, moved_bytes=padded if len(misses) else 0,
+                           transfers=int(len(misses) > 0))
     return dataclasses.replace(new, residency=res, last_step=counted,
                                totals=self.totals + counted)
 
@@ -547,6 +556,11 @@ def _clock_victim(res: Residency, needed: np.ndarray) -> tuple[int, int]:
 
 
 @jax.jit
+def _set_summaries(k_min, k_max, blocks, new_min, new_max):
+  return k_min.at[:, blocks].set(new_min), k_max.at[:, blocks].set(new_max)
+
+
+@jax.jit
 def _write_rows(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, rows, kv, pos, scale):
   """Write-through into resident slots: rows past the pool (non-resident blocks) are dropped."""
   out = dict(k_slots=k_slots.at[rows].set(kv[:, 0], mode="drop"),
@@ -562,13 +576,15 @@ def _write_rows(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, rows, 
 def _fill_slots(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, slots, kv, pos, scale):
   """Scatters fetched blocks ``kv [M,2,bs,K,D]`` (positions ``[M,bs]``) into ``slots [M]``."""
   m, _, bs, kh, d = kv.shape
+  # A padding entry names the slot past the pool: its rows are dropped.
   rows = (slots[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(-1)
-  out = dict(k_slots=k_slots.at[rows].set(kv[:, 0].reshape(m * bs, kh, d), unique_indices=True),
-             v_slots=v_slots.at[rows].set(kv[:, 1].reshape(m * bs, kh, d), unique_indices=True),
-             slot_pos=slot_pos.at[rows].set(pos.reshape(-1), unique_indices=True))
+  put = lambda buf, x: buf.at[rows].set(x, mode="drop")
+  out = dict(k_slots=put(k_slots, kv[:, 0].reshape(m * bs, kh, d)),
+             v_slots=put(v_slots, kv[:, 1].reshape(m * bs, kh, d)),
+             slot_pos=put(slot_pos, pos.reshape(-1)))
   if scale is not None:
-    out.update(k_scale_slots=k_scale_slots.at[rows].set(scale[:, 0].reshape(m * bs, kh)),
-               v_scale_slots=v_scale_slots.at[rows].set(scale[:, 1].reshape(m * bs, kh)))
+    out.update(k_scale_slots=put(k_scale_slots, scale[:, 0].reshape(m * bs, kh)),
+               v_scale_slots=put(v_scale_slots, scale[:, 1].reshape(m * bs, kh)))
   return out
 
 

@@ -87,22 +87,40 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
     raise ValueError(f"{where}: q_pos [B,T] is required (block positions are not arange)")
   _check(tuple(q_pos.shape) == (b, t), f"{where}: q_pos must be [B,T]=[{b},{t}], got "
          f"{tuple(q_pos.shape)}")
-  rows = block_rows(blocks, block_cells)                        # [B,K,N*bs] pool rows
-  k_pos = jnp.where(rows < 0, -1, jnp.asarray(pos, jnp.int32)[jnp.clip(rows, 0, r - 1)])
-  head = jnp.arange(kh, dtype=jnp.int32)[None, :, None]
-  flat_rows = jnp.where(rows < 0, -1, rows * kh + head).reshape(b * kh, n * block_cells)
-  qf = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b * kh, t, g, d)
-  qpf = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32)[:, None], (b, kh, t)).reshape(b * kh, t)
+  qf, flat_rows, k_pos, qpf = _per_head_sequences(q, jnp.asarray(blocks, jnp.int32),
+                                                   jnp.asarray(pos, jnp.int32),
+                                                   jnp.asarray(q_pos, jnp.int32), r=r,
+                                                   block_cells=block_cells)
   scales = {}
   if k_scale is not None:
     scales = dict(k_scale=k_scale.reshape(r * kh, 1), v_scale=v_scale.reshape(r * kh, 1))
   o, lse = attention(qf, k.reshape(r * kh, 1, d), v.reshape(r * kh, 1, d), kv_rows=flat_rows,
-                     q_pos=qpf, k_pos=k_pos.reshape(b * kh, n * block_cells), causal=causal,
-                     window=window, softcap=softcap, scale=scale, impl=impl,
-                     block_sizes=block_sizes, **scales)
-  o = o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
-  lse = lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3).reshape(b, t, h)
-  return o, lse
+                     q_pos=qpf, k_pos=k_pos, causal=causal, window=window, softcap=softcap,
+                     scale=scale, impl=impl, block_sizes=block_sizes, **scales)
+  return _per_query_heads(o, lse, kh=kh)
+
+
+@functools.partial(jax.jit, static_argnames=("r", "block_cells"))
+def _per_head_sequences(q, blocks, pos, q_pos, *, r, block_cells):
+  """Each (sequence, KV head) as a sequence of one KV head: q ``[B*K,T,G,D]``, its pool rows
+  in the ``[R*K,1,D]`` view, their positions, and the queries' positions."""
+  b, t, h, d = q.shape
+  kh, n = blocks.shape[1], blocks.shape[2]
+  rows = block_rows(blocks, block_cells)                        # [B,K,N*bs] pool rows
+  k_pos = jnp.where(rows < 0, -1, pos[jnp.clip(rows, 0, r - 1)])
+  head = jnp.arange(kh, dtype=jnp.int32)[None, :, None]
+  flat_rows = jnp.where(rows < 0, -1, rows * kh + head).reshape(b * kh, n * block_cells)
+  qf = q.reshape(b, t, kh, h // kh, d).transpose(0, 2, 1, 3, 4).reshape(b * kh, t, h // kh, d)
+  qpf = jnp.broadcast_to(q_pos[:, None], (b, kh, t)).reshape(b * kh, t)
+  return qf, flat_rows, k_pos.reshape(b * kh, n * block_cells), qpf
+
+
+@functools.partial(jax.jit, static_argnames=("kh",))
+def _per_query_heads(o, lse, *, kh):
+  bk, t, g, d = o.shape
+  b = bk // kh
+  return (o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, kh * g, d),
+          lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3).reshape(b, t, kh * g))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,8 +137,14 @@ class BlockSummaries(NamedTuple):
 def summarize(k, pos, *, block_cells: int, k_scale=None) -> BlockSummaries:
   """Summaries of blocks ``k [B,NB*bs,K,D]`` with positions ``pos [B,NB*bs]`` (-1: empty, not
   summarized; its K may be NaN). ``k_scale [B,NB*bs,K]`` for int8 keys."""
+  _check(k.shape[1] % block_cells == 0,
+         f"summarize: S={k.shape[1]} must be a multiple of block_cells={block_cells}")
+  return _summarize(k, pos, k_scale, block_cells=block_cells)
+
+
+@functools.partial(jax.jit, static_argnames=("block_cells",))
+def _summarize(k, pos, k_scale, *, block_cells):
   b, s, kh, d = k.shape
-  _check(s % block_cells == 0, f"summarize: S={s} must be a multiple of block_cells={block_cells}")
   kf = jnp.asarray(k).astype(jnp.float32)
   if k_scale is not None:
     kf = kf * jnp.asarray(k_scale, jnp.float32)[..., None]
@@ -249,14 +273,15 @@ def must_read(n_blocks: int, filled_blocks: int, *, window_blocks: int,
 
 def select_blocks(scores, *, n_select: int, filled_blocks: int, window_blocks: int,
                   sink_blocks: int = 0) -> jax.Array:
-  """The ``[B,K,N]`` block ids to read, ``N = min(n_select, filled_blocks)``: the must-read
-  blocks (:func:`must_read`) and the best-scored others, in ascending block order (the order the
-  attention reads them in, the same in every path). ``scores [B,K,NB]``; blocks at or past
-  ``filled_blocks`` hold no cell and are never chosen."""
+  """The ``[B,K,N]`` block ids to read, ``N = n_select`` (-1 where fewer than N blocks are
+  written: N stays fixed so the attention compiles once): the must-read blocks (:func:`must_read`)
+  and the best-scored others, in ascending order (-1 first; the order the attention reads them
+  in, the same in every path). ``scores [B,K,NB]``; blocks at or past ``filled_blocks`` hold no
+  cell and are never chosen."""
   b, kh, nb = scores.shape
   _check(0 < filled_blocks <= nb, f"select_blocks: filled_blocks must be in [1, {nb}], got "
          f"{filled_blocks}")
-  n = min(int(n_select), filled_blocks)
+  n = min(int(n_select), nb)
   must = must_read(nb, filled_blocks, window_blocks=window_blocks, sink_blocks=sink_blocks)
   _check(int(must.sum()) <= n, f"select_blocks: {int(must.sum())} must-read blocks (window "
          f"{window_blocks}, sinks {sink_blocks}) exceed the selection of {n}")
@@ -269,5 +294,5 @@ def _select(scores, must, filled, n):
   s = jnp.clip(jnp.nan_to_num(scores.astype(jnp.float32), nan=-_SCORE_CLIP), -_SCORE_CLIP,
                _SCORE_CLIP)
   prio = jnp.where(must, _MUST, jnp.where(filled, s, -jnp.inf))
-  _, ids = jax.lax.top_k(prio, n)
-  return jnp.sort(ids.astype(jnp.int32), axis=-1)
+  top, ids = jax.lax.top_k(prio, n)
+  return jnp.sort(jnp.where(top == -jnp.inf, -1, ids.astype(jnp.int32)), axis=-1)
