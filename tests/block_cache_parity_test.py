@@ -183,3 +183,20 @@ def test_bad_input_raises():
     c.step(jnp.zeros((1, 1, 2, 4)), jnp.zeros((1, 1), jnp.int32))
   with pytest.raises(ValueError, match="manifest"):
     sparse.load("/nonexistent-dir")
+
+
+def test_from_host_equals_from_arrays():
+  rng = np.random.default_rng(2)
+  k = rng.standard_normal((B, 45, KH, D)).astype(np.float32)
+  v = rng.standard_normal((B, 45, KH, D)).astype(np.float32)
+  a = sparse.BlockCache.from_arrays(jnp.asarray(k), jnp.asarray(v), config=CFG, dtype="bfloat16")
+  b = sparse.BlockCache.from_host(a.store.kv.copy(), a.store.pos.copy(), config=CFG, fill=45,
+                                  summary_blocks=2)  # summaries made in pieces
+  np.testing.assert_array_equal(np.asarray(a.k_min), np.asarray(b.k_min))
+  np.testing.assert_array_equal(np.asarray(a.k_max), np.asarray(b.k_max))
+  q = jnp.asarray(rng.standard_normal((B, 1, KH * G, D)).astype(np.float32))
+  p = jnp.full((B, 1), 44, jnp.int32)
+  oa, la, ia, _ = a.step(q, p, impl="xla")
+  ob, lb, ib, _ = b.step(q, p, impl="xla")
+  np.testing.assert_array_equal(np.asarray(ia), np.asarray(ib))
+  np.testing.assert_array_equal(np.asarray(oa), np.asarray(ob))

@@ -301,6 +301,37 @@ class BlockCache:
       k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
     return kv.append(k, v, k_pos)
 
+  @classmethod
+  def from_host(cls, kv: np.ndarray, pos: np.ndarray, *, config: BlockCacheConfig, fill: int,
+                scale: np.ndarray | None = None, summary_blocks: int = 4096) -> "BlockCache":
+    """A cache over a prebuilt host store ``kv [B,NB,2,bs,K,D]``, ``pos [B,NB,bs]`` (int8:
+    ``scale [B,NB,2,bs,K]``) holding ``fill`` cells, taken as is (not copied); the summaries are
+    made ``summary_blocks`` blocks at a time (a long context's keys never sit on the device
+    whole)."""
+    b, nb, two, bs, kh, d = kv.shape
+    if two != 2 or bs != config.block_cells or pos.shape != (b, nb, bs):
+      raise ValueError(f"BlockCache.from_host: kv must be [B,NB,2,bs={config.block_cells},K,D] "
+                       f"and pos [B,NB,bs]; got {kv.shape}, {pos.shape}")
+    if not 0 <= fill <= nb * bs:
+      raise ValueError(f"BlockCache.from_host: fill must be in [0, {nb * bs}], got {fill}")
+    empty = cls.empty(b, 1, kh, d, config=config, dtype=kv.dtype)
+    store = HostStore(kv=kv, pos=pos, scale=scale)
+    lo_parts, hi_parts = [], []
+    for lo in range(0, nb, summary_blocks):
+      hi = min(lo + summary_blocks, nb)
+      n = hi - lo
+      sc = None if scale is None else jnp.asarray(scale[:, lo:hi, 0].reshape(b, n * bs, kh))
+      summ = _blocks.summarize(jnp.asarray(kv[:, lo:hi, 0].reshape(b, n * bs, kh, d)),
+                               jnp.asarray(pos[:, lo:hi].reshape(b, n * bs)), block_cells=bs,
+                               k_scale=sc)
+      lo_parts.append(summ.k_min)
+      hi_parts.append(summ.k_max)
+    res = Residency(np.full((b, nb), -1, np.int32), empty.residency.slot_block,
+                    empty.residency.ref, 0)
+    return dataclasses.replace(empty, store=store, residency=res, fill=fill,
+                               k_min=jnp.concatenate(lo_parts, 1),
+                               k_max=jnp.concatenate(hi_parts, 1))
+
   # --- the layer-cache protocol ---
   @property
   def room(self) -> int:
