@@ -26,7 +26,9 @@ host. The control plane (the map, CLOCK) is host numpy: the selection is read ba
 and step (a sync the dense tactics do not have; docs/DESIGN.md §9).
 
 The host store is shared by every version of a cache (the newest append is authoritative, like
-a file); the map, the slots and the counters are per version (a new pytree per step).
+a file). As ``RollingKV.append`` does, ``append`` and ``step`` donate the device buffers they
+write (the slots, the summaries: written in place, not copied per step): the cache passed in must
+not be used afterwards; the returned one is the live one.
 Prefill chunks (T > 16 queries) are attended densely over every written cell, as Quest does:
 selection is for the memory-bound decode step.
 """
@@ -281,9 +283,11 @@ class BlockCache:
     # Free slots hold NaN keys at position -1: never read (docs/DESIGN.md §2), and a bug that
     # read one would show.
     fill_value = 0 if quant else jnp.nan
-    k_slots = jnp.full((rows, num_kv_heads, head_dim), fill_value, dt)
-    scales = (jnp.ones((rows, num_kv_heads), jnp.float32),) * 2 if quant else (None, None)
-    return cls(k_slots=k_slots, v_slots=k_slots, slot_pos=jnp.full((rows,), -1, jnp.int32),
+    # Separate buffers (not one array twice): the writers donate each of them.
+    slots = lambda: jnp.full((rows, num_kv_heads, head_dim), fill_value, dt)
+    scales = ((jnp.ones((rows, num_kv_heads), jnp.float32),
+               jnp.ones((rows, num_kv_heads), jnp.float32)) if quant else (None, None))
+    return cls(k_slots=slots(), v_slots=slots(), slot_pos=jnp.full((rows,), -1, jnp.int32),
                k_scale_slots=scales[0], v_scale_slots=scales[1],
                k_min=jnp.full((batch, nb, num_kv_heads, head_dim), jnp.inf, jnp.float32),
                k_max=jnp.full((batch, nb, num_kv_heads, head_dim), -jnp.inf, jnp.float32),
@@ -586,12 +590,12 @@ def _clock_victim(res: Residency, needed: np.ndarray) -> tuple[int, int]:
   raise AssertionError("CLOCK found no victim (make_resident checks the slots suffice)")
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1))
 def _set_summaries(k_min, k_max, blocks, new_min, new_max):
   return k_min.at[:, blocks].set(new_min), k_max.at[:, blocks].set(new_max)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
 def _write_rows(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, rows, kv, pos, scale):
   """Write-through into resident slots: rows past the pool (non-resident blocks) are dropped."""
   out = dict(k_slots=k_slots.at[rows].set(kv[:, 0], mode="drop"),
@@ -603,7 +607,7 @@ def _write_rows(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, rows, 
   return out
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
 def _fill_slots(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, slots, kv, pos, scale):
   """Scatters fetched blocks ``kv [M,2,bs,K,D]`` (positions ``[M,bs]``) into ``slots [M]``."""
   m, _, bs, kh, d = kv.shape
