@@ -3,13 +3,14 @@ block cache vs the dense offloaded decode of the same context, composed to the L
 model's tok/s, each row with its bound; synthetic planted structure (see the lab module).
 
 H200:
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96 .venv/bin/python -m experiments.sparse_bench \
+  .venv/bin/python -m experiments.sparse_bench \
       --contexts=262144,1048576 --slot_cells=16384,65536 --select_cells=2048,4096 \
       --out=benchmarks/results/sparse_bench_h200.json
 CPU smoke run:
   .venv/bin/python -m experiments.sparse_bench --contexts=2048 --slot_cells=512 \
       --select_cells=128 --block_cells=16 --num_heads=4 --num_kv_heads=2 --head_dim=16 \
-      --layers=2 --topics=4 --tile_cells=512 --impl=xla --warmup=1 --steps=3 --out=/tmp/sb.json
+      --layers=2 --topics=4 --tile_cells=512 --dense_tactics=stream --impl=xla --warmup=1 \
+      --steps=3 --out=/tmp/sb.json
 """
 
 from absl import app, flags
