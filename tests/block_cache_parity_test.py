@@ -200,3 +200,28 @@ def test_from_host_equals_from_arrays():
   ob, lb, ib, _ = b.step(q, p, impl="xla")
   np.testing.assert_array_equal(np.asarray(ia), np.asarray(ib))
   np.testing.assert_array_equal(np.asarray(oa), np.asarray(ob))
+
+
+def test_pinned_and_numpy_stores_read_the_same():
+  """The store in pinned_host buffers (auto on this backend: the memory kind exists) and in plain
+  numpy: the same fetches, counters and outputs, bitwise; the staging buffers are reused."""
+  from rkv.offload import memory
+  rng = np.random.default_rng(3)
+  k = jnp.asarray(rng.standard_normal((B, 70, KH, D)).astype(np.float32))
+  mk = lambda host: sparse.BlockCache.empty(B, 128, KH, D, config=CFG, dtype="bfloat16",
+                                            host=host).append(k, k)
+  a, b = mk("pinned"), mk("numpy")
+  assert a.store.pinned and not b.store.pinned
+  assert {memory.memory_kind(o) for o in a.store.owners} == {"pinned_host"}
+  for i in range(4):
+    q = jnp.asarray(rng.standard_normal((B, 1, KH * G, D)).astype(np.float32))
+    p = jnp.full((B, 1), 69, jnp.int32)
+    blocks = np.stack([np.stack([np.sort(np.r_[0, 8, 1 + rng.permutation(7)[:2]])
+                                 for _ in range(KH)]) for _ in range(B)]).astype(np.int32)
+    oa, la, _, a = a.step(q, p, blocks=blocks, impl="xla")
+    ob, lb, _, b = b.step(q, p, blocks=blocks, impl="xla")
+    np.testing.assert_array_equal(np.asarray(oa), np.asarray(ob))
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+    assert a.last_step == b.last_step
+    _check_slots(a)
+  assert any(isinstance(key, int) for key in a.store.staging)  # a bucket's pinned staging

@@ -1,7 +1,8 @@
 """The block cache: a fixed number of device slots per layer over an authoritative host copy.
 
 Strata's design (issue 15), in rkv's terms. Every cell of a sparse layer lives in the **host
-store** (numpy, ``[B,NB,2,bs,K,D]``: a block's K and V contiguous, so a block is one memcpy).
+store** (``[B,NB,2,bs,K,D]``: a block's K and V contiguous, so a block is one memcpy; numpy views
+of ``pinned_host`` buffers where the device has them, see :func:`host_array`).
 The device holds ``device_slots`` blocks (``[slots*bs,K,D]`` pools, the layout
 :func:`rkv.sparse.block_attention` reads) and the blocks' key summaries (Quest's min/max, made
 when cells are written). Per decode step:
@@ -15,9 +16,9 @@ when cells are written). Per decode step:
    consistent both ways) splits the needed blocks into hits and misses; misses take free slots,
    then slots freed by **CLOCK** (a reference bit per slot, set on use; the hand clears set bits
    and evicts the first clear one not needed this step);
-4. the misses are gathered on the host into one contiguous buffer and moved **in one
-   ``device_put`` per step** (the packed K/V blocks with their positions and scales), then
-   scattered into their slots by one jitted program;
+4. the misses are gathered on the host into one contiguous (pinned staging) buffer and moved
+   **in one ``device_put`` per step** (the packed K/V blocks with their positions and scales),
+   then scattered into their slots by one jitted program;
 5. block-selected attention over the slots.
 
 Counters: per step (:attr:`BlockCache.last_step`) and per request (:attr:`BlockCache.totals`,
@@ -35,6 +36,7 @@ selection is for the memory-bound decode step.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import json
@@ -48,6 +50,7 @@ import numpy as np
 
 from rkv import cache as _cache
 from rkv.attention import MAX_DECODE_QUERIES, attention
+from rkv.offload import memory as _memory
 from rkv.sparse import blocks as _blocks
 
 FORMAT = "rkv.sparse.BlockCache"
@@ -120,15 +123,84 @@ def preset(name: str) -> BlockCacheConfig:
 # ----------------------------------------------------------------------------------------------
 # Host store, residency map, counters
 # ----------------------------------------------------------------------------------------------
+HOST_KINDS = ("auto", "pinned", "numpy")
+
+
+def _pinned_available() -> bool:
+  kinds = {m.kind for m in _memory.default_device().addressable_memories()}
+  return _memory.PINNED_HOST in kinds
+
+
+def host_array(shape, dtype, pinned: bool):
+  """``(numpy array, owner)``: zeros of ``shape``; with ``pinned`` a writable numpy view of a
+  ``pinned_host`` jax buffer (``owner``, kept alive beside it), so a ``device_put`` of the owner
+  is one DMA from page-locked memory (docs/DESIGN.md §5: the buffer has one address for host and
+  device); else plain numpy (``owner`` None)."""
+  dtype = np.dtype(dtype)
+  if not pinned:
+    return np.zeros(shape, dtype), None
+  owner = _memory.to_host(np.zeros(shape, dtype))
+  owner.block_until_ready()
+  n = int(np.prod(shape)) * dtype.itemsize
+  if n == 0:
+    return np.zeros(shape, dtype), owner
+  raw = (ctypes.c_uint8 * n).from_address(owner.unsafe_buffer_pointer())
+  raw.owner = owner  # every view's base chain reaches raw, so a view keeps the buffer alive
+  return np.frombuffer(raw, np.uint8).view(dtype).reshape(shape), owner
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostStore:
   """The authoritative copy: ``kv [B,NB,2,bs,K,D]`` (K then V of each block, contiguous),
   ``pos [B,NB,bs]`` int32 (-1 empty), int8: ``scale [B,NB,2,bs,K]`` float32. Mutable numpy,
-  written through on every append."""
+  written through on every append; ``pinned``: views of ``pinned_host`` buffers (``owners``),
+  and misses are gathered into pinned staging buffers (``staging``: per bucket of blocks, reused
+  once the transfer that read them has landed)."""
 
   kv: np.ndarray
   pos: np.ndarray
   scale: np.ndarray | None
+  pinned: bool = False
+  owners: tuple = ()
+  staging: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def allocate(cls, shape_kv, dtype, *, quantized: bool, pinned: bool) -> "HostStore":
+    b, nb, _, bs, kh, _ = shape_kv
+    kv, o1 = host_array(shape_kv, dtype, pinned)
+    pos, o2 = host_array((b, nb, bs), np.int32, pinned)
+    pos[...] = -1
+    scale, o3 = host_array((b, nb, 2, bs, kh), np.float32, pinned) if quantized else (None, None)
+    if scale is not None:
+      scale[...] = 1.0
+    return cls(kv, pos, scale, pinned, tuple(o for o in (o1, o2, o3) if o is not None))
+
+  def fetch(self, flat_blocks: np.ndarray, bucket: int):
+    """Blocks ``flat_blocks [m]`` (``b*NB + n``), padded to ``bucket`` with block 0, on the
+    device in one ``device_put``: ``(kv [bucket,2,bs,K,D], pos [bucket,bs], scale | None)``."""
+    b, nb = self.pos.shape[:2]
+    idx = np.zeros(bucket, np.int64)
+    idx[:len(flat_blocks)] = flat_blocks
+    parts = [(self.kv.reshape((b * nb,) + self.kv.shape[2:]))]
+    parts.append(self.pos.reshape(b * nb, -1))
+    if self.scale is not None:
+      parts.append(self.scale.reshape((b * nb,) + self.scale.shape[2:]))
+    if not self.pinned:
+      host = tuple(np.take(x, idx, axis=0) for x in parts)
+      out = jax.device_put(host)
+    else:
+      if bucket not in self.staging:
+        self.staging[bucket] = [host_array((bucket,) + x.shape[1:], x.dtype, True) for x in parts]
+        self.staging[(bucket, "pending")] = None
+      pending = self.staging[(bucket, "pending")]
+      if pending is not None:
+        jax.block_until_ready(pending)  # the last transfer from this buffer has landed
+      for x, (view, _) in zip(parts, self.staging[bucket]):
+        np.take(x, idx, axis=0, out=view)
+      out = jax.device_put(tuple(o for _, o in self.staging[bucket]),
+                           _memory.sharding(_memory.DEVICE))
+      self.staging[(bucket, "pending")] = out
+    return (out[0], out[1], out[2] if self.scale is not None else None)
 
   @property
   def block_bytes(self) -> int:
@@ -261,8 +333,14 @@ class BlockCache:
   # --- construction ---
   @classmethod
   def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
-            config: BlockCacheConfig = BlockCacheConfig(), dtype=jnp.bfloat16) -> "BlockCache":
+            config: BlockCacheConfig = BlockCacheConfig(), dtype=jnp.bfloat16,
+            host: str = "auto") -> "BlockCache":
+    """An empty cache of ``capacity`` cells (rounded up to whole blocks). ``host``: where the
+    store lives: ``"pinned"`` (``pinned_host`` buffers, checked against XLA's pool and the host's
+    RAM), ``"numpy"`` (pageable), ``"auto"`` (pinned where the device has the memory kind)."""
     where = "BlockCache.empty"
+    if host not in HOST_KINDS:
+      raise ValueError(f"{where}: host must be one of {HOST_KINDS}, got {host!r}")
     if not isinstance(config, BlockCacheConfig):
       raise ValueError(f"{where}: config must be a BlockCacheConfig, got {type(config).__name__}")
     for name, x in (("batch", batch), ("capacity", capacity), ("num_kv_heads", num_kv_heads),
@@ -273,9 +351,13 @@ class BlockCache:
     bs = config.block_cells
     nb = -(-capacity // bs)
     quant = dt == np.dtype(np.int8)
-    store = HostStore(kv=np.zeros((batch, nb, 2, bs, num_kv_heads, head_dim), dt),
-                      pos=np.full((batch, nb, bs), -1, np.int32),
-                      scale=np.ones((batch, nb, 2, bs, num_kv_heads), np.float32) if quant else None)
+    pinned = host == "pinned" or (host == "auto" and _pinned_available())
+    shape = (batch, nb, 2, bs, num_kv_heads, head_dim)
+    if pinned:
+      nbytes = int(np.prod(shape)) * dt.itemsize + batch * nb * bs * (4 + (8 * num_kv_heads if quant else 0))
+      _memory.check_host_pool(nbytes, where=where)
+      _memory.check_host_memory(nbytes, where=where, argument="capacity")
+    store = HostStore.allocate(shape, dt, quantized=quant, pinned=pinned)
     rows = config.slot_cells
     res = Residency(np.full((batch, nb), -1, np.int32),
                     np.full(config.device_slots, -1, np.int32),
@@ -307,19 +389,28 @@ class BlockCache:
 
   @classmethod
   def from_host(cls, kv: np.ndarray, pos: np.ndarray, *, config: BlockCacheConfig, fill: int,
-                scale: np.ndarray | None = None, summary_blocks: int = 4096) -> "BlockCache":
+                scale: np.ndarray | None = None, summary_blocks: int = 4096,
+                host: str = "numpy") -> "BlockCache":
     """A cache over a prebuilt host store ``kv [B,NB,2,bs,K,D]``, ``pos [B,NB,bs]`` (int8:
-    ``scale [B,NB,2,bs,K]``) holding ``fill`` cells, taken as is (not copied); the summaries are
-    made ``summary_blocks`` blocks at a time (a long context's keys never sit on the device
-    whole)."""
+    ``scale [B,NB,2,bs,K]``) holding ``fill`` cells: taken as is with ``host="numpy"``, copied
+    into pinned buffers with ``"pinned"`` / ``"auto"`` (as :meth:`empty`). The summaries are made
+    ``summary_blocks`` blocks at a time (a long context's keys never sit on the device whole)."""
     b, nb, two, bs, kh, d = kv.shape
     if two != 2 or bs != config.block_cells or pos.shape != (b, nb, bs):
       raise ValueError(f"BlockCache.from_host: kv must be [B,NB,2,bs={config.block_cells},K,D] "
                        f"and pos [B,NB,bs]; got {kv.shape}, {pos.shape}")
     if not 0 <= fill <= nb * bs:
       raise ValueError(f"BlockCache.from_host: fill must be in [0, {nb * bs}], got {fill}")
-    empty = cls.empty(b, 1, kh, d, config=config, dtype=kv.dtype)
-    store = HostStore(kv=kv, pos=pos, scale=scale)
+    empty = cls.empty(b, 1, kh, d, config=config, dtype=kv.dtype, host="numpy")
+    if host not in HOST_KINDS:
+      raise ValueError(f"BlockCache.from_host: host must be one of {HOST_KINDS}, got {host!r}")
+    if host == "pinned" or (host == "auto" and _pinned_available()):
+      store = HostStore.allocate(kv.shape, kv.dtype, quantized=scale is not None, pinned=True)
+      store.kv[...], store.pos[...] = kv, pos
+      if scale is not None:
+        store.scale[...] = scale
+    else:
+      store = HostStore(kv=kv, pos=pos, scale=scale)
     lo_parts, hi_parts = [], []
     for lo in range(0, nb, summary_blocks):
       hi = min(lo + summary_blocks, nb)
@@ -510,14 +601,10 @@ class BlockCache:
       # scatter compiles once per bucket, not once per miss count.
       m = len(misses)
       bucket = 1 << (m - 1).bit_length()
-      b_m = np.zeros(bucket, np.int64)
-      n_m = np.zeros(bucket, np.int64)
-      b_m[:m], n_m[:m] = misses // nb, misses % nb
       st = self.store
-      host = (st.kv[b_m, n_m], st.pos[b_m, n_m], None if st.scale is None else st.scale[b_m, n_m])
       nbytes = m * st.block_bytes
       padded = bucket * st.block_bytes
-      kv_d, pos_d, sc_d = jax.device_put(host)
+      kv_d, pos_d, sc_d = st.fetch(misses, bucket)
       to = np.full(bucket, slots, np.int32)  # past the pool: dropped
       to[:m] = chosen
       upd = _fill_slots(self.k_slots, self.v_slots, self.slot_pos, self.k_scale_slots,
