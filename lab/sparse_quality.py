@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from rkv import gates
-from rkv.recall import RecallTask, answer, haystack_batch
+from rkv.recall import RecallTask, haystack_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,8 @@ class SparseQualityConfig:
   """The grid: ``lengths`` x ``depths`` needles, ``samples`` each; ``selectors`` compared with
   dense; the block cache of each sparse layer (``block_cells``, ``select_blocks`` incl.
   ``window_blocks`` and ``sink_blocks``; ``device_slots`` 0: enough for the whole selection of
-  the batch). ``logit_steps``: teacher-forced decode steps at the end of each prompt for KL/top-1."""
+  the batch). ``logit_steps``: the tokens at the end of each prompt + answer decoded one at a
+  time through the sparse layers (they include the query and the answer)."""
 
   lengths: tuple = (1024, 2048)
   depths: tuple = (0.25, 0.75)
@@ -69,22 +70,35 @@ def dense_caches(config, batch: int, capacity: int) -> tuple:
   return models.init_caches(config, batch, capacity)
 
 
+def decode_run(model, tokens: np.ndarray, decode_steps: int, caches) -> np.ndarray:
+  """Logits of the last ``decode_steps`` tokens of ``tokens`` fed one at a time (teacher-forced
+  decode after a prefill of the rest): ``[B, decode_steps, V]``."""
+  from rkv import generate as gen
+  return gen.decode_logits(model, tokens, caches, prefill_len=tokens.shape[1] - decode_steps)
+
+
 def logit_quality(model, tokens: np.ndarray, prefill_len: int, block_config) -> dict:
   """Teacher-forced decode logits of ``tokens[:, prefill_len:]``, sparse vs dense:
-  :class:`rkv.gates.LogitMetrics` as a dict, plus the block cache's counters of the last layer."""
-  from rkv import generate as gen
+  :class:`rkv.gates.LogitMetrics` as a dict."""
   b, t = tokens.shape
-  ref = gen.decode_logits(model, tokens, dense_caches(model.config, b, t), prefill_len=prefill_len)
-  caches = sparse_caches(model.config, b, t, block_config)
-  got = gen.decode_logits(model, tokens, caches, prefill_len=prefill_len)
+  steps = t - prefill_len
+  ref = decode_run(model, tokens, steps, dense_caches(model.config, b, t))
+  got = decode_run(model, tokens, steps, sparse_caches(model.config, b, t, block_config))
   return gates.logit_metrics(ref, got).as_dict()
 
 
 def quality(model, task: RecallTask, cfg: SparseQualityConfig = SparseQualityConfig(), *,
             log: Callable[[str], None] = print) -> dict:
-  """Needle accuracy (greedy exact match of the answer) dense vs each selector, the share of
-  prompts answered as dense answers them, and KL / top-1 of teacher-forced decode logits at the
-  end of each prompt (its last ``logit_steps`` tokens decoded one at a time)."""
+  """Needles and logits, sparse vs dense, from one teacher-forced decode per prompt batch: the
+  prompt and its answer, of which the last ``logit_steps`` tokens (the end of the haystack, the
+  query ``? KEY`` and the answer) are decoded one at a time, so the retrieval itself runs
+  through the sparse layers (prefill chunks are dense). A needle is found when every answer token
+  is the argmax at its step (teacher forcing then equals greedy decoding); KL / top-1 over all
+  decoded steps (:func:`rkv.gates.logit_metrics`)."""
+  v = task.value_len
+  if cfg.logit_steps < v + 2:
+    raise ValueError(f"quality: logit_steps must be >= value_len + 2 = {v + 2} (the query and the "
+                     f"answer decoded), got {cfg.logit_steps}")
   kh = model.config.num_kv_heads
   acc = {s: {} for s in ("dense",) + tuple(cfg.selectors)}
   same = {s: 0 for s in cfg.selectors}
@@ -92,7 +106,6 @@ def quality(model, task: RecallTask, cfg: SparseQualityConfig = SparseQualityCon
   total = 0
   t0 = time.perf_counter()
   for length in cfg.lengths:
-    cap = length + task.value_len
     for s in acc:
       acc[s][str(length)] = {}
     for s in cfg.selectors:
@@ -100,23 +113,24 @@ def quality(model, task: RecallTask, cfg: SparseQualityConfig = SparseQualityCon
     for depth in cfg.depths:
       rng = np.random.default_rng([cfg.seed, length, int(round(depth * 1000))])
       prompts, answers = haystack_batch(rng, cfg.samples, length, depth, task)
-      preds = {}
+      full = np.concatenate([prompts, answers], axis=1)
+      cap = full.shape[1]
+      out = {s: [] for s in acc}
+      for lo in range(0, cfg.samples, cfg.batch):
+        x = full[lo:lo + cfg.batch]
+        for s in acc:
+          caches = (dense_caches(model.config, x.shape[0], cap) if s == "dense" else
+                    sparse_caches(model.config, x.shape[0], cap,
+                                  cfg.block_config(s, x.shape[0], kh)))
+          out[s].append(decode_run(model, x, cfg.logit_steps, caches))
+      out = {s: np.concatenate(o) for s, o in out.items()}
+      # Step j predicts token (cap - logit_steps + j + 1); the answer is the last v tokens.
+      preds = {s: o[:, -v - 1:-1].argmax(-1) for s, o in out.items()}
       for s in acc:
-        out = []
-        for lo in range(0, cfg.samples, cfg.batch):
-          p = prompts[lo:lo + cfg.batch]
-          caches = (dense_caches(model.config, p.shape[0], cap) if s == "dense" else
-                    sparse_caches(model.config, p.shape[0], cap,
-                                  cfg.block_config(s, p.shape[0], kh)))
-          out.append(answer(model, p, task.value_len, caches=caches, chunk=cfg.chunk))
-        preds[s] = np.concatenate(out)
         acc[s][str(length)][str(depth)] = float(np.all(preds[s] == answers, axis=-1).mean())
       for s in cfg.selectors:
         same[s] += int(np.all(preds[s] == preds["dense"], axis=-1).sum())
-        full = np.concatenate([prompts, answers], axis=1)[:cfg.batch]
-        logits[s][str(length)][str(depth)] = logit_quality(
-            model, full, full.shape[1] - cfg.logit_steps,
-            cfg.block_config(s, full.shape[0], kh))
+        logits[s][str(length)][str(depth)] = gates.logit_metrics(out["dense"], out[s]).as_dict()
       total += cfg.samples
       log(f"sparse quality: context {length:6d} depth {depth:4.2f}: " + "  ".join(
           f"{s} {acc[s][str(length)][str(depth)]:.3f}" for s in acc) + "  " + "  ".join(

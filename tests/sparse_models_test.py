@@ -74,7 +74,7 @@ def test_sparse_quality_lab_on_the_recall_model():
   model, _, task = load_recall_model(impl="xla")
   cfg = lab.SparseQualityConfig(lengths=(128,), depths=(0.5,), samples=2, batch=2,
                                 selectors=("quest",), block_cells=16, select_blocks=9,
-                                logit_steps=2)
+                                logit_steps=6)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     r = lab.quality(model, task, cfg, log=lambda s: None)
