@@ -82,3 +82,17 @@ def test_sparse_quality_lab_on_the_recall_model():
   assert r["answers_equal_to_dense"] == {"quest": 1.0}
   assert r["logits_vs_dense"]["quest"]["128"]["0.5"]["top1_agreement"] == 1.0
   assert r["accuracy"]["quest"] == r["accuracy"]["dense"]
+
+
+def test_dense_layers_keep_their_rolling_tactic():
+  cfg = models.ModelConfig.preset("tiny-llama", dtype="float32")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    plan = rkv.plan(cfg, 512, 1, residency=rkv.ResidencyConfig(
+        mode="stream", vram_target_mib=0.15, tile_cells=128, min_tile_cells=128))
+  assert plan.tactics() == ("stream", "stream"), plan.table()
+  sp = sparse.sparse_plan(plan, [0], sparse.PRESETS["tiny"], trained_for_sparse=True)
+  assert sp.tactics() == ("sparse", "stream") and sp.layers[1] == plan.layers[1]
+  caches = gen.caches_from_plan(cfg, sp, 1)
+  assert isinstance(caches[0], sparse.BlockCache)
+  assert isinstance(caches[1], rkv.RollingKV) and caches[1].tactic == "stream"
