@@ -14,9 +14,12 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(HERE, "beyond_hbm")
 # (file, settings, rows to take: (config, context, batch, kv_dtype))
 PICK = [
-    ("cmdbuf_off.json", "shipped defaults (command buffers off, no prefetcher)",
-     [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16"),
-      ("rkv_offload", 131072, 1, "bfloat16"), ("rkv_offload", 1048576, 1, "bfloat16")]),
+    ("fused_ab/res_new.json", "shipped defaults (fused q/k/v and gate/up projections)",
+     [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16")]),
+    ("fused_ab/half_general.json", "shipped defaults (fused projections, general layered path)",
+     [("rkv_offload", 131072, 1, "bfloat16")]),
+    ("fused_ab/1m_general.json", "shipped defaults (fused projections, general layered path)",
+     [("rkv_offload", 1048576, 1, "bfloat16")]),
     ("cmdbuf_on.json", "command buffers forced on (offloaded rows: within 0.3% of off in this run)",
      [("rkv_offload", 524288, 1, "bfloat16"), ("rkv_offload", 2097152, 1, "int8")]),
     ("decode_beyond_hbm_h200_run1.json",

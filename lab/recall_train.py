@@ -193,19 +193,11 @@ def save_model(path: str, model, task: RecallTask, *, log: dict | None = None):
   """Writes the HF folder: ``config.json``, ``model.safetensors`` (HF names via
   :func:`rkv.models.hf_weight_map`), ``tokenizer.json``, ``recall_task.json`` and, given
   ``log``, ``training_log.json``."""
-  from flax import nnx
   from rkv.models import hf
 
   os.makedirs(path, exist_ok=True)
   cfg = model.config
-  values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  tensors = {}
-  for name, ppath, transpose in hf.hf_weight_map(cfg):
-    x = values
-    for p in ppath:
-      x = x[p]
-    x = np.asarray(x, np.float32)
-    tensors[name] = x.T if transpose else x
+  tensors = hf.model_tensors(model)
   hf.save_safetensors(os.path.join(path, hf.SINGLE_FILE), tensors, metadata={"format": "pt"})
   with open(os.path.join(path, hf.CONFIG_FILE), "w") as f:
     json.dump(hf_config(cfg, task), f, indent=2, sort_keys=True)

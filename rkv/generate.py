@@ -117,6 +117,11 @@ def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None
       else:
         out.append(ResidentCache.empty(batch, capacity, kh, d, dtype))
       continue
+    if lp.tactic in tactics.APPROXIMATE:  # opt-in block-sparse layers (rkv.sparse.sparse_plan)
+      from rkv.sparse import plan as sparse_plan
+      out.append(sparse_plan.block_cache_for(lp, batch=batch, capacity=capacity, num_kv_heads=kh,
+                                             head_dim=d, dtype=dtype))
+      continue
     if lp.tactic not in SUPPORTED_TACTICS:
       raise ValueError(f"{where}: layer {i}'s tactic {lp.tactic!r} is unknown (supported: "
                        f"{SUPPORTED_TACTICS})")

@@ -1,4 +1,4 @@
-"""Many sequences in one KV pool per layer: device rows + pinned-host pages (docs/DESIGN.md §9).
+"""Many sequences in one KV pool per layer: device rows + pinned-host pages (docs/DESIGN.md §10).
 
 Layout, per layer (:class:`PoolKV`, a pytree):
 

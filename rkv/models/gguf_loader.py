@@ -216,7 +216,7 @@ def load_gguf(path: str | None = None, dtype=None, *, impl: str = "auto",
   tensors = read_tensors(reader, config, progress=progress, where=where)
   config = config.replace(tie_embeddings="lm_head.weight" not in tensors)
   mapping = hf_weight_map(config)
-  missing = [n for n, _, _ in mapping if n not in tensors]
+  missing = [s.name for s in mapping if s.name not in tensors]
   if missing:
     raise ValueError(f"{where}: missing tensors ({len(missing)}): {missing[:8]}")
   model = model_from_tensors(config, tensors, mapping, where=where, impl=impl)

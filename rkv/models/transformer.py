@@ -8,8 +8,9 @@ One block, switched by :class:`~rkv.models.config.ModelConfig` (no subclass per 
       h = mlp(norm(x))   -> [post_ffw_norm(h)]   x = x + h
     logits = final_norm(x) @ W_out [softcap]                        # tied: W_out = embedding^T
 
-Attention: q/k/v projections (+ bias: Qwen2), [q/k RMSNorm: Gemma-3], RoPE from the layer's
-positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear 8), then
+Attention: the fused q/k/v projection (+ bias: Qwen2), [per-head q/k RMSNorm: Qwen3, Gemma-3],
+RoPE from the layer's positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear
+8; yarn, dynamic NTK and longrope as transformers computes them, see :func:`rope_tables`), then
 :func:`rkv.attention` with ``q_pos``/``k_pos`` = positions, the layer's ``window``, the attention
 softcap and the scale ``query_pre_attn_scalar ** -0.5`` (else ``head_dim ** -0.5``). With caches,
 the layer calls its cache's ``attend`` (the protocol of :mod:`rkv.models.kv`, never a branch on
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ from flax import nnx
 from rkv.attention import IMPLS, attention
 from rkv import validation
 from rkv.offload import stream as stream_lib
-from rkv.models.config import ModelConfig, RopeConfig
+from rkv.models.config import ModelConfig, RopeConfig, dynamic_inv_freq
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -66,10 +68,30 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, positions):
-  """``cos, sin [B,T,D/2]`` float32 for integer ``positions [B,T]``."""
-  inv = jnp.asarray(rope.inv_freq(head_dim))
+  """``cos, sin [B,T,D/2]`` float32 for integer ``positions [B,T]``, times the rope's
+  ``attention_scaling`` (yarn, longrope), as transformers' rotary embedding returns them.
+
+  A length-dependent rope (longrope, dynamic NTK) takes ``seq_len = max(positions) + 1`` over the
+  whole call, as transformers does per forward (padding, -1, never raises it). It is traced, so
+  a jitted step does not recompile as the sequence grows; what that means with a KV cache is in
+  :class:`~rkv.models.config.RopeConfig`'s docstring."""
+  base = rope.inv_freq(head_dim)
+  if rope.length_dependent:
+    seq_len = jnp.max(positions).astype(jnp.int32) + 1
+    beyond = seq_len > rope.original_max_position
+    if rope.kind == "longrope":
+      longer = rope.inv_freq(head_dim, seq_len=rope.original_max_position + 1)
+    else:  # dynamic NTK: the base grows with seq_len
+      exponents = jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim
+      longer = dynamic_inv_freq(jnp, rope, exponents, seq_len.astype(jnp.float32))
+    inv = jnp.where(beyond, longer, base)
+  else:
+    inv = jnp.asarray(base)
   freqs = positions.astype(jnp.float32)[..., None] * inv
-  return jnp.cos(freqs), jnp.sin(freqs)
+  cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+  if rope.attention_scaling != 1.0:
+    cos, sin = cos * rope.attention_scaling, sin * rope.attention_scaling
+  return cos, sin
 
 
 def apply_rope(x, cos, sin):
@@ -91,9 +113,10 @@ class Attention(nnx.Module):
     self.softcap = cfg.attn_softcap
     self.scale = cfg.attn_scale
     h, d = cfg.hidden_size, cfg.head_dim
-    self.q_proj = _linear(cfg, h, cfg.num_heads * d, cfg.qkv_bias, rngs)
-    self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
-    self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+    # q, k and v are one projection (columns [q | k | v], see hf_weight_map): at decode (M=1)
+    # XLA turned the separate k and v projections into reduce fusions at 0.78 TB/s (11 us each
+    # for 8 MB on the H200, decode_trace_h200.json), and each projection was a launch of its own.
+    self.qkv_proj = _linear(cfg, h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, cfg.qkv_bias, rngs)
     self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=cfg.dtype)
@@ -104,9 +127,11 @@ class Attention(nnx.Module):
   def project(self, x, rope_cs):
     """``x [B,T,hidden]`` -> ``q [B,T,H,D], k, v [B,T,K,D]`` (biases, q/k norms, RoPE applied)."""
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    q, k, v = jnp.split(self.qkv_proj(x), (nq, nq + nk), axis=-1)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v
@@ -122,21 +147,24 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """Gated MLP: ``down(act(gate(x)) * up(x))``; SwiGLU (silu) or GeGLU (gelu tanh)."""
+  """Gated MLP: ``down(act(gate(x)) * up(x))``; SwiGLU (silu) or GeGLU (gelu tanh); gate and up
+  are the two column halves of ``gate_up_proj``."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.activation = cfg.activation
-    self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, rngs)
-    self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, rngs)
+    # gate and up are one projection (columns [gate | up]): one weight read and
+    # one launch instead of two.
+    self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                rngs)
     self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, rngs)
 
   def __call__(self, x):
-    g = self.gate_proj(x)
+    g, u = jnp.split(self.gate_up_proj(x), 2, axis=-1)
     if self.activation == "silu":
       g = jax.nn.silu(g)
     else:
       g = jax.nn.gelu(g, approximate=self.activation == "gelu_tanh")
-    return self.down_proj(g * self.up_proj(x))
+    return self.down_proj(g * u)
 
 
 class Block(nnx.Module):
@@ -371,8 +399,19 @@ def _split_flat(node):
   return graphdef, treedef, leaves
 
 
+def _fused_default() -> bool:
+  from rkv.models import fused_decode
+  # Off by default: on the H200 it measured slower than the general path (fused_decode's
+  # docstring, benchmarks/results/beyond_hbm/fused_ab/).
+  env = os.environ.get(fused_decode.FUSED_ENV, "0").strip().lower()
+  if env not in ("0", "1", "false", "true", "off", "on"):
+    raise ValueError(f"${fused_decode.FUSED_ENV} must be 0/1 (false/true, off/on), got {env!r}")
+  return env in ("1", "true", "on")
+
+
 def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
-                    schedule: str | None = None, prefetch_tiles: int | None = None):
+                    schedule: str | None = None, prefetch_tiles: int | None = None,
+                    fused: bool | None = None):
   """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
   as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
   with a *static* fill (``jittable`` False: a :class:`rkv.RollingKV` whatever its tactic, a
@@ -401,6 +440,13 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   requests its own tiles; on the H200 the host, not the link, bounds the offloaded step, and the
   prefetcher measured slower: see that constant). They are device memory on top of the plan's
   (the planner's reserve counts them when ``ResidencyConfig.prefetch_tiles`` says so).
+
+  ``fused``: run a decode step's rolling layers as two programs a layer plus the CPU kernel
+  (:mod:`rkv.models.fused_decode`: the merge, ``post_attention``, the next ``pre_attention`` and
+  the append in one program; the device partials in another) instead of the general path's
+  eight dispatches; the same cells and tactic split, merged in another order. Default
+  ``$RKV_FUSED_DECODE`` (0 unless set to 1: experimental, it measured slower on the H200). Prefill
+  chunks always take the general path.
   """
   impl = model.impl if impl is None else impl
   validation.check_choice("layered_forward", "impl", impl, IMPLS)
@@ -409,10 +455,14 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   cfg = model.config
   edge_def, edge_tree, edge_leaves = _split_flat((model.embed, model.final_norm, model.lm_head))
   enter, leave = _edge_programs(cfg, edge_def, edge_tree)
-  blocks = []
+  blocks, block_defs = [], []
   for layer in model.layers:
     graphdef, treedef, leaves = _split_flat(layer)
     blocks.append((_block_programs(graphdef, treedef), leaves))
+    block_defs.append((graphdef, treedef))
+  fused = _fused_default() if fused is None else bool(fused)
+  if fused:
+    from rkv.models import fused_decode
   attn_kw = [layer.attn.attention_kwargs(impl) for layer in model.layers]
   if schedule is not None:
     attn_kw = [dict(kw, schedule=schedule) for kw in attn_kw]
@@ -442,8 +492,18 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
+    chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
+             if fused else None)
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
+      step = (fused_decode.plan_step(cache, tokens.shape[1], prefetching=prefetcher is not None)
+              if chain is not None else None)
+      if step is not None:
+        new_caches.append(chain.layer(i, block_defs[i], leaves, x, rope_cs, cache, step,
+                                      attn_kw[i]))
+        continue
+      if chain is not None:
+        x = chain.close(x)
       if cache.jittable:  # resident and ring caches: the whole layer is one program
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
@@ -460,6 +520,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         with jax.profiler.TraceAnnotation("rkv.layer.post"):
           x = post(leaves, x, o)
       new_caches.append(cache)
+    if chain is not None:
+      x = chain.close(x)
     new_caches = tuple(new_caches)
     plan_prefetch(new_caches)  # the next step's first tiles start moving now
     return leave(edge_leaves, x, last_only), new_caches

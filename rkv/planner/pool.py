@@ -1,4 +1,4 @@
-"""Per-sequence windows of a multi-sequence KV pool (:mod:`rkv.pool`, docs/DESIGN.md §9).
+"""Per-sequence windows of a multi-sequence KV pool (:mod:`rkv.pool`, docs/DESIGN.md §10).
 
 A pool keeps each sequence's newest cells on the device and moves its oldest to pinned-host pages
 of ``page_cells`` cells, one whole page at a time. Between two moves a sequence with window W

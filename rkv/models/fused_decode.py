@@ -1,0 +1,250 @@
+"""The decode step of rolling layers in two programs a layer (docs/DESIGN.md §4, step 3).
+
+``layered_forward``'s general path runs a rolling layer as ``pre_attention``, the cache's eager
+``attend`` (append, one program per device partial or one for all, the CPU tail, the merge) and
+``post_attention``: about eight dispatches and their Python a layer and token. On the H200 that
+host work was ~2.5 ms a layer in series with the CPU kernel's 1.7 ms, and bound the offloaded
+step (128K half-offloaded: 171 ms a step, the PCIe link busy 106 ms of it;
+``benchmarks/results/decode_trace_h200_inline.json``).
+
+Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), rolling layer
+``i`` is:
+
+* ``head_i`` (one program): the merge of layer ``i-1``'s partials, ``post_attention(i-1)``,
+  ``pre_attention(i)`` and the append of the new cells into the window or the staging buffer
+  (donated: written in place);
+* ``device_i`` (one program): the partials over the window, the staging cells and the streamed
+  tail tiles, merged into one float32 partial. The tiles' transfers are issued just before it
+  (eager ``jax.device_put``, or staged earlier by the layer's
+  :class:`rkv.offload.stream.Prefetcher`);
+* the CPU kernel over the tiles the tactic gives it, in a worker thread started before
+  ``device_i`` is dispatched, as soon as ``q_i`` is on the host: that copy waits for ``head_i``
+  only, so ``device_i`` runs under the kernel.
+
+The last rolling layer's partials are closed by a program that merges them and runs its
+``post_attention``. The cells attended are the general path's, in the same tactic split; only
+the order of the float32 LSE merge differs (window and staging first, then tiles, then the CPU
+share), so logits agree within the gates, not bit for bit.
+
+**Measured slower, so off by default** (``layered_forward(fused=True)`` or
+``RKV_FUSED_DECODE=1`` opt in). On the H200, same run, Llama-3-8B shape, random bf16 weights
+(``bash benchmarks/fused_decode_ab_h200.sh a``, ``benchmarks/results/beyond_hbm/fused_ab/``):
+128K half-offloaded 7.72 tok/s fused vs 8.44 general; 1M tokens (default budget) 6.55 vs 7.83.
+Expected: ~1 ms less host time a layer. Not yet known why it moved the other way: the run had no
+trace (the device was gone before the traced A/B ran). One suspect is fixed since but unmeasured:
+the program donated the window and the staging buffer and returned the one it did not write
+unchanged, which XLA may copy (3.9 GB a layer at 1M); now only the written block is an argument.
+A second suspect, also changed since and unmeasured: the CPU kernel ran on this thread after
+``device_i`` was dispatched, while the general path starts it in a worker first (if the dispatch
+of a program whose tiles are in flight holds the host, the link and the kernel ran in series).
+The next step is ``experiments.decode_trace`` of both paths (``RKV_FUSED_DECODE=0|1``).
+
+A layer takes the general path for a step when this one does not apply: a prefill chunk, a chunk
+that would span the window's end or fill more than the staging tile, more streamed tiles than the
+eager schedule keeps on the device (``lookahead + 1``) without a prefetcher, or a cache that is
+not a :class:`rkv.RollingKV`. A staging tile that fills is flushed to the host tail after its
+cells were attended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rkv import cache as cache_lib
+from rkv import rolling
+from rkv.attention import MAX_DECODE_QUERIES
+from rkv.offload import cpu_attention as cpu_lib
+from rkv.offload import stream
+
+FUSED_ENV = "RKV_FUSED_DECODE"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStep:
+  """How one rolling layer's decode step runs here (all static, decided on the host).
+
+  ``dest``: where the new cells go (``"window"`` or ``"staging"``), at cell ``offset`` of it;
+  ``n_stream`` of the ``n_full`` full tail tiles stream, the rest go to the CPU kernel;
+  ``flush_index``: the tail tile the staging buffer becomes after this step, or None."""
+
+  dest: str
+  offset: int
+  n_full: int
+  n_stream: int
+  flush_index: int | None
+
+
+def plan_step(cache, t: int, *, prefetching: bool) -> LayerStep | None:
+  """The :class:`LayerStep` of ``cache`` for ``t`` new cells, or None when the layer must take
+  the general path this step (module docstring)."""
+  if not isinstance(cache, cache_lib.RollingKV) or not 1 <= t <= MAX_DECODE_QUERIES:
+    return None
+  w, tile, fill = cache.window_cells, cache.tile_cells, cache.fill
+  if fill + t > cache.capacity:
+    return None  # the general path raises the capacity error
+  flush_index = None
+  if fill + t <= w:
+    dest, offset = "window", fill
+  elif fill >= w and (fill - w) % tile + t <= tile:
+    dest, offset = "staging", (fill - w) % tile
+    if offset + t == tile:
+      flush_index = (fill + t - w) // tile - 1
+  else:
+    return None
+  n_full = cache.n_full_tiles
+  n_stream = rolling.streamed_count(n_full, cache.tactic, cache.cpu_fraction)
+  if n_stream > stream.DEFAULT_LOOKAHEAD + 1 and not prefetching:
+    return None  # more tiles on the device at once than the planner's reserve holds
+  return LayerStep(dest=dest, offset=offset, n_full=n_full, n_stream=n_stream,
+                   flush_index=flush_index)
+
+
+def _new_cells(k, v, positions, *, dtype, quantized) -> cache_lib.KVBlock:
+  if quantized:
+    (k, k_scale), (v, v_scale) = cache_lib.quantize_int8(k), cache_lib.quantize_int8(v)
+    return cache_lib.KVBlock(k=k, v=v, pos=positions, k_scale=k_scale, v_scale=v_scale)
+  return cache_lib.KVBlock(k=k.astype(dtype), v=v.astype(dtype), pos=positions)
+
+
+def _write(block: cache_lib.KVBlock, new: cache_lib.KVBlock, offset) -> cache_lib.KVBlock:
+  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
+                      block, new)
+
+
+def _module(defs, leaves):
+  graphdef, treedef = defs
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(prev_defs, defs):
+  """(head, close) for a block of structure ``defs`` after one of ``prev_defs`` (None: the
+  layer before was not a fused rolling layer, its output is ``x``). Cached like
+  ``layered_forward``'s block programs: layers of one structure share them."""
+
+  def merged_input(prev_leaves, x, parts):
+    if parts is None:
+      return x
+    o, _ = stream.merge_all(parts, out_dtype=x.dtype)
+    return _module(prev_defs, prev_leaves).post_attention(x, o)
+
+  # Only the block written is an argument (donated: written in place). Passing the other one
+  # through would make it an output of the program too, and a donated buffer returned unchanged
+  # is not guaranteed to be aliased rather than copied: at 1M tokens a window is 3.9 GB a layer.
+  @functools.partial(jax.jit, static_argnames=("dtype", "quantized"), donate_argnames="block")
+  def head(prev_leaves, leaves, x, parts, rope_cs, positions, block, offset, *, dtype,
+           quantized):
+    x = merged_input(prev_leaves, x, parts)
+    q, k, v = _module(defs, leaves).pre_attention(x, rope_cs)
+    new = _new_cells(k, v, positions, dtype=dtype, quantized=quantized)
+    return x, q, _write(block, new, offset)
+
+  close = jax.jit(merged_input)
+  return head, close
+
+
+@functools.partial(jax.jit, static_argnames=("use_window", "use_staging", "window", "softcap",
+                                             "scale", "impl"))
+def _device_partial(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging,
+                    window, softcap, scale, impl):
+  """One float32 partial over the window, the staging cells and device tiles."""
+  kw = dict(causal=True, window=window, softcap=softcap, scale=scale, impl=impl)
+  parts = []
+  if use_window:
+    parts.append(rolling._partial(q, q_pos, window_block, **kw))
+  if use_staging:
+    parts.append(rolling._partial(q, q_pos, staging_block, **kw))
+  parts += [rolling._partial(q, q_pos, t, **kw) for t in tiles]
+  return stream.merge_all(parts, out_dtype=jnp.float32)
+
+
+def _cpu_share(*args, **kwargs):
+  with jax.profiler.TraceAnnotation("rkv.cpu.tail"):
+    # Looked up at call time (not bound at import), so tests can watch the kernel's calls.
+    return cpu_lib.cpu_attention_tail(*args, **kwargs)
+
+
+class Chain:
+  """The fused rolling layers of one decode step, layer by layer: :meth:`layer` runs one,
+  :meth:`close` returns the residual stream after the last one."""
+
+  def __init__(self, *, impl: str, positions, prefetcher=None):
+    self.impl = impl
+    self.positions = positions
+    self._pos_host = None
+    self.prefetcher = prefetcher
+    self._pending = None  # (defs, leaves, x, parts) of the last fused layer, not yet closed
+
+  def _q_pos_host(self):
+    if self._pos_host is None:
+      self._pos_host = np.asarray(self.positions)
+    return self._pos_host
+
+  def layer(self, i, defs, leaves, x, rope_cs, cache: cache_lib.RollingKV, step: LayerStep,
+            attn_kw: dict) -> cache_lib.RollingKV:
+    """Layer ``i`` on its input ``x`` (or the pending layer's partials); returns its new cache."""
+    prev_defs, prev_leaves, parts = None, None, None
+    if self._pending is not None:
+      prev_defs, prev_leaves, x, parts = self._pending
+    head, _ = _programs(prev_defs, defs)
+    window, softcap, impl = attn_kw["window"], attn_kw["softcap"], attn_kw["impl"]
+    scale = attn_kw["scale"] if attn_kw["scale"] is not None else cache.head_dim ** -0.5
+    host_tiles = rolling._tiles(cache, step.n_stream)
+    if self.prefetcher is not None and host_tiles:
+      tiles = self.prefetcher.take(i, host_tiles)
+    else:
+      tiles = stream.put_many_eager(host_tiles) if host_tiles else []
+    with jax.profiler.TraceAnnotation("rkv.layer.head"):
+      into_window = step.dest == "window"
+      x, q, written = head(prev_leaves, leaves, x, parts, rope_cs, self.positions,
+                           cache.window if into_window else cache.staging,
+                           np.int32(step.offset), dtype=np.dtype(cache.dtype),
+                           quantized=cache.quantized)
+      win, stg = (written, cache.staging) if into_window else (cache.window, written)
+    future = None
+    if step.n_stream < step.n_full:
+      # The CPU share starts (in a worker: its kernel releases the GIL) before device_i is
+      # dispatched, as the general path's eager schedule does: if dispatching a program whose
+      # input tiles are still in flight held this thread until they land, the kernel would
+      # otherwise wait for the link instead of running beside it.
+      future = rolling._executor().submit(
+          _cpu_share, q, cache, q_pos=self._q_pos_host(), causal=True, window=window,
+          softcap=softcap, scale=scale,
+          num_threads=cpu_lib.tail_threads(attn_kw.get("cpu_threads")),
+          tiles=(step.n_stream, step.n_full))
+    try:
+      with jax.profiler.TraceAnnotation("rkv.layer.device"):
+        device = _device_partial(q, self.positions, win, stg, tuple(tiles),
+                                 use_window=cache.window_cells > 0,
+                                 use_staging=step.dest == "staging", window=window,
+                                 softcap=softcap, scale=scale, impl=impl)
+    finally:
+      if future is not None:
+        with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
+          cpu_part = future.result()  # waits for the kernel (and surfaces its errors)
+    if self.prefetcher is not None and host_tiles:
+      self.prefetcher.consumed(device)
+    parts = (device,) if future is None else (device, cpu_part)
+    t = q.shape[1]
+    new = dataclasses.replace(cache, window=win, staging=stg, fill=cache.fill + t)
+    if step.flush_index is not None:
+      tail, staging = cache_lib.flush(new.tail, new.staging, step.flush_index)
+      new = dataclasses.replace(new, tail=tail, staging=staging)
+    self._pending = (defs, leaves, x, parts)
+    return new
+
+  def close(self, x):
+    """The residual stream after the pending fused layer (``x`` itself when there is none)."""
+    if self._pending is None:
+      return x
+    prev_defs, prev_leaves, x, parts = self._pending
+    self._pending = None
+    _, close = _programs(prev_defs, prev_defs)
+    with jax.profiler.TraceAnnotation("rkv.layer.close"):
+      return close(prev_leaves, x, parts)
