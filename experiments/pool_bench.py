@@ -1,10 +1,14 @@
 """Issue 14's pool benchmarks (b)-(d) (lab/pool_bench.py): ragged vs padded batch, an offloaded
 pool vs its bound, a kept chat's second turn vs prefilling it again. JSON out.
 
-On the H200 (Llama-3-8B shape, random weights; writes the JSON result):
-  python -m experiments.pool_bench --out=benchmarks/results/pool_bench_h200.json
-One scenario: --scenarios=ragged (or offload, chat). On a CPU, a smoke run of the same code at
-tiny shapes:
+On the H200 (Llama-3-8B shape, random weights), one scenario a command (each well under 10 min):
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96 python -m experiments.pool_bench --scenarios=ragged \
+      --profile=benchmarks/results/profile_h200_v3.json --out=benchmarks/results/pool_bench_h200_ragged.json
+  python -m experiments.pool_bench --scenarios=offload \
+      --profile=benchmarks/results/profile_h200_v3.json --out=benchmarks/results/pool_bench_h200_offload.json
+  python -m experiments.pool_bench --scenarios=chat --out=benchmarks/results/pool_bench_h200_chat.json
+(all three in one process: drop --scenarios). On a CPU, a smoke run of the same code at tiny
+shapes:
   python -m experiments.pool_bench --quick
 """
 
