@@ -353,6 +353,11 @@ def _sample(logits, key, temperature, top_p, top_k):
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+# The samplers, public for the other decode loops (rkv.serving samples per sequence with them).
+greedy = _greedy
+sample = _sample
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
   """``tokens [B, N]`` int32 (the prompt excluded; ``N = max_new_tokens`` unless the run stopped
