@@ -28,10 +28,11 @@ from rkv.head_split import HeadSplitKV
 from rkv import planner, residency
 from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
+from rkv import pool, serving  # issue 14: many sequences in one KV pool per layer
 from rkv.planner import AttentionShape, Plan, Profile, ResidencyConfig, plan
 from rkv.text import TextGeneration, generate_text
 
 __all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV", "TextGeneration",
            "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "generate_text", "merge", "merge_partials",
-           "models", "offload", "plan", "residency", "rolling_attention"]
+           "models", "offload", "plan", "pool", "residency", "rolling_attention", "serving"]
 __version__ = "0.1.0"

@@ -847,6 +847,14 @@ def _file_crc(path: str, chunk: int = 1 << 26) -> int:
   return crc
 
 
+# The atomic-save machinery, public for the other savers (rkv.pool's session save): install a
+# finished temporary directory in one step, fsync a directory, a file's CRC-32, the umask.
+install_save = _install
+fsync_dir = _fsync_dir
+file_crc32 = _file_crc
+current_umask = _umask
+
+
 def load(directory: str, window_cells: int | None = None, *, capacity: int | None = None,
          tile_cells: int | None = None, verify: bool = True) -> RollingKV:
   """Reads a cache written by :func:`save`, split at ``window_cells`` (default: the saved W).

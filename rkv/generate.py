@@ -117,6 +117,11 @@ def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None
       else:
         out.append(ResidentCache.empty(batch, capacity, kh, d, dtype))
       continue
+    if lp.tactic in tactics.APPROXIMATE:  # opt-in block-sparse layers (rkv.sparse.sparse_plan)
+      from rkv.sparse import plan as sparse_plan
+      out.append(sparse_plan.block_cache_for(lp, batch=batch, capacity=capacity, num_kv_heads=kh,
+                                             head_dim=d, dtype=dtype))
+      continue
     if lp.tactic not in SUPPORTED_TACTICS:
       raise ValueError(f"{where}: layer {i}'s tactic {lp.tactic!r} is unknown (supported: "
                        f"{SUPPORTED_TACTICS})")
@@ -346,6 +351,11 @@ def _sample(logits, key, temperature, top_p, top_k):
   xs = jnp.where(before < top_p, xs, -jnp.inf)
   choice = jax.random.categorical(key, xs, axis=-1)
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+# The samplers, public for the other decode loops (rkv.serving samples per sequence with them).
+greedy = _greedy
+sample = _sample
 
 
 @dataclasses.dataclass(frozen=True)

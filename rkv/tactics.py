@@ -19,13 +19,16 @@ class TacticSpec:
   ``"rolling"``: an ``rkv.RollingKV`` with the tactic as static data, ``"head_split"``: an
   ``rkv.HeadSplitKV``). ``offloaded``: part of the KV lives in the pinned-host tail.
   ``streams``: tail tiles move host→device. ``host_kernel``: part of the tail is attended by the
-  host C kernel, which needs concrete arrays (eager only, never under ``jit``)."""
+  host C kernel, which needs concrete arrays (eager only, never under ``jit``). ``exact``: equal
+  to resident attention (False: an approximation a user opts into per layer; ``"block"``: an
+  ``rkv.sparse.BlockCache``)."""
 
   name: str
   cache: str
   offloaded: bool
   streams: bool
   host_kernel: bool
+  exact: bool = True
 
 
 # The plan table's column order.
@@ -36,12 +39,20 @@ SPECS = (
     TacticSpec("hybrid", cache="rolling", offloaded=True, streams=True, host_kernel=True),
     TacticSpec("head", cache="head_split", offloaded=True, streams=True, host_kernel=False),
 )
-BY_NAME = {s.name: s for s in SPECS}
+# Approximate tactics: opt-in per layer (rkv.sparse.sparse_plan), outside SPECS on purpose, so
+# that the plan table, the selector, ``auto`` and the modes (all built from SPECS) never name them.
+# "sparse" reads selected KV blocks through a VRAM block cache over a host copy (docs/DESIGN.md §9).
+APPROXIMATE_SPECS = (
+    TacticSpec("sparse", cache="block", offloaded=True, streams=True, host_kernel=False,
+               exact=False),
+)
+BY_NAME = {s.name: s for s in SPECS + APPROXIMATE_SPECS}
 
 TACTICS = tuple(s.name for s in SPECS)                                  # every tactic
 OFFLOADED = tuple(s.name for s in SPECS if s.offloaded)                 # the tail tactics
 ROLLING = tuple(s.name for s in SPECS if s.cache == "rolling")          # served by a RollingKV
 HOST_KERNEL = tuple(s.name for s in SPECS if s.host_kernel)             # eager only
+APPROXIMATE = tuple(s.name for s in APPROXIMATE_SPECS)                  # opt-in, never selected
 # The selector's candidates in tie order (the first of equal modeled times wins): the tactics
 # with the fewest moving parts first.
 SELECTOR_ORDER = ("stream", "head", "cpu", "hybrid")
@@ -75,7 +86,7 @@ def check_cpu_fraction(cpu_fraction, tactic: str, where: str) -> float | None:
 def spec(name: str) -> TacticSpec:
   """The :class:`TacticSpec` of ``name``; ``ValueError`` naming the known tactics otherwise."""
   if name not in BY_NAME:
-    raise ValueError(f"unknown tactic {name!r}; known: {TACTICS}")
+    raise ValueError(f"unknown tactic {name!r}; known: {TACTICS + APPROXIMATE}")
   return BY_NAME[name]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rkv
-from rkv import tactics
+from rkv import sparse, tactics
 from rkv.models import kv as kv_lib
 from tests.support.tolerances import ROLLING_VS_RESIDENT
 
@@ -34,9 +34,15 @@ CACHES = {
                                           tile_cells=TILE).with_tactic("hybrid", 0.5),
     "head": lambda: rkv.HeadSplitKV.empty(B, CAP, K, D, resident_heads=1, window_cells=6,
                                           dtype=jnp.float32, tile_cells=TILE),
+    # Approximate in general; selecting every block (10 of 4 cells) makes it exact, which is
+    # what the contract can check.
+    "sparse": lambda: sparse.BlockCache.empty(
+        B, CAP, K, D, dtype=jnp.float32,
+        config=sparse.BlockCacheConfig(block_cells=4, device_slots=2 * 10, select_blocks=10,
+                                       window_blocks=1)),
 }
 KIND = {"resident": "resident", "ring": "resident", "stream": "rolling", "cpu": "rolling",
-        "hybrid": "rolling", "head": "head_split"}
+        "hybrid": "rolling", "head": "head_split", "sparse": "block"}
 
 
 def _chunks(rng, lengths):

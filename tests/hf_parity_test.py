@@ -2,8 +2,14 @@
 
 The fixtures (``tests/fixtures/hf/<arch>/``, made by ``scripts/make_hf_fixtures.py`` with
 transformers, eager attention, float32) hold a checkpoint and HF's full-forward logits for a fixed
-``[2, 32]`` token batch. Sliding windows (8, 6) are shorter than the sequence, so ring caches wrap
-both inside a prefill chunk and during decode. No torch is needed here.
+``[2, 32]`` token batch (``[2, 48]`` for the long-context RoPE fixtures ``yarn``, ``dynamic``,
+``longrope``, whose original length is 16). Sliding windows (8, 6) are shorter than the sequence,
+so ring caches wrap both inside a prefill chunk and during decode. No torch is needed here.
+
+Where the RoPE depends on the sequence length (``dynamic``, ``longrope``), an incremental decode
+does not equal the full forward, in transformers as in rkv: those fixtures also hold HF's own
+logits for the same prefill chunks and decode steps (``decode_logits``), which rkv's incremental
+decode must match.
 """
 
 import json
@@ -12,18 +18,30 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rkv import models
 from tests.support.tolerances import HF_LOGITS_ATOL as ATOL
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "qwen3", "yarn", "dynamic", "longrope")
+LONG_ROPE = {"yarn": "yarn", "dynamic": "dynamic", "longrope": "longrope"}  # fixture -> rope kind
 PREFILL = (13, 7)  # two prefill chunks (the second wraps the rings), then one token at a time
 
 
 def _reference(arch):
   ref = np.load(os.path.join(FIXTURES, arch, "reference.npz"))
   return ref["tokens"], ref["logits"]
+
+
+def _decode_reference(arch):
+  """HF's logits for PREFILL then one token at a time: its full forward's, unless the RoPE
+  depends on the length (then HF's own incremental run, saved with the chunks it used)."""
+  ref = np.load(os.path.join(FIXTURES, arch, "reference.npz"))
+  if "decode_logits" not in ref:
+    return ref["logits"]
+  assert tuple(ref["decode_chunks"]) == PREFILL
+  return ref["decode_logits"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -63,10 +81,11 @@ def _decode(fwd, tokens, positions, caches):
 
 def test_incremental_decode_matches_hf(loaded):
   arch, model, fwd = loaded
-  tokens, want = _reference(arch)
+  tokens, _ = _reference(arch)
+  want = _decode_reference(arch)
   b, t = tokens.shape
   caches = models.init_caches(model.config, b, t)
-  assert any(isinstance(c, models.RingCache) for c in caches) == (arch != "llama")
+  assert any(isinstance(c, models.RingCache) for c in caches) == bool(model.config.sliding_layers)
   positions = np.broadcast_to(np.arange(t), (b, t))
   got = _decode(fwd, tokens, positions, caches)
   assert _max_err(got, want) < ATOL, arch
@@ -96,9 +115,32 @@ def test_left_padded_row_matches_unpadded(loaded):
   got = model(jnp.asarray(toks), jnp.asarray(pos, jnp.int32))
   assert _max_err(got[0], want[0]) < ATOL
   assert _max_err(got[1, pad:], want[1, :n]) < ATOL
+  if model.config.rope.length_dependent:
+    return  # padding moves row 1's tokens into other calls, whose seq_len differs (see above)
   got = _decode(fwd, toks, pos, models.init_caches(model.config, 2, tokens.shape[1]))
   assert _max_err(got[0], want[0]) < ATOL
   assert _max_err(got[1, pad:], want[1, :n]) < ATOL
+
+
+@pytest.mark.parametrize("arch", sorted(LONG_ROPE))
+def test_long_context_fixtures_exercise_their_rope_scaling(arch):
+  """The sequence passes the original length, so the same weights with the unscaled RoPE miss
+  HF's logits by far: the parity above is the scaling's, not a default rope's."""
+  model = models.load_hf(os.path.join(FIXTURES, arch), jnp.float32, impl="xla")
+  rope = model.config.rope
+  assert rope.kind == LONG_ROPE[arch] and rope.original_max_position == 16
+  tokens, want = _reference(arch)
+  assert tokens.shape[1] > 2 * rope.original_max_position
+  plain = models.ModelConfig.from_hf(_config_json(arch), dtype="float32")
+  plain = plain.replace(rope=models.RopeConfig(theta=rope.theta))
+  unscaled = nnx.merge(nnx.graphdef(models.Transformer(plain, rngs=nnx.Rngs(0), impl="xla")),
+                       nnx.state(model))
+  assert _max_err(models.jit_forward(unscaled)(jnp.asarray(tokens)), want) > 100 * ATOL
+
+
+def _config_json(arch):
+  with open(os.path.join(FIXTURES, arch, "config.json")) as f:
+    return json.load(f)
 
 
 def test_gemma3_multimodal_checkpoint_text_part(tmp_path):

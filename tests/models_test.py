@@ -1,5 +1,6 @@
 """rkv.models: presets, HF config parsing, checkpoint errors, caches, compilation behaviour."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -62,6 +63,14 @@ HUB_CONFIGS = {
                         "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                         "sliding_window": 1024},
         "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152}},
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+        "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_sliding_window": False, "vocab_size": 151936},
 }
 
 
@@ -74,6 +83,7 @@ HUB_CONFIGS = {
     ("mistral-7b", (32, 32, 8, 128, 32000, 4096), 7_241_732_096),
     ("gemma2-2b", (26, 8, 4, 256, 256000, 2304), 2_614_341_888),
     ("gemma3-4b", (34, 8, 4, 256, 262208, 2560), 3_880_263_168),
+    ("qwen3-8b", (36, 32, 8, 128, 151936, 4096), 8_190_735_360),
 ])
 def test_presets_have_true_dims(name, dims, params):
   c = ModelConfig.preset(name)
@@ -135,7 +145,8 @@ def _v4_layout(arch: str, d: dict) -> dict:
   return d
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "gemma3", "qwen3", "yarn",
+                                  "dynamic", "longrope"])
 def test_from_hf_reads_both_config_layouts(arch):
   with open(os.path.join(FIXTURES, arch, "config.json")) as f:
     d = json.load(f)
@@ -153,6 +164,16 @@ def test_fixture_configs_cover_the_features():
   assert cfg["gemma2"].layer_windows == (8, None) and cfg["gemma2"].attn_softcap == 2.0
   assert cfg["gemma3"].layer_windows == (6, None, 6) and cfg["gemma3"].rope.kind == "linear"
   assert cfg["gemma3"].rope_local == RopeConfig(theta=1e4)
+  q3 = models.load_config(os.path.join(FIXTURES, "qwen3"))
+  assert q3.family == "qwen3" and q3.qk_norm and not q3.norm_plus_one and not q3.qkv_bias
+  assert q3.head_dim * q3.num_heads != q3.hidden_size and q3.layer_windows == (None, 8)
+  long = {a: models.load_config(os.path.join(FIXTURES, a)).rope
+          for a in ("yarn", "dynamic", "longrope")}
+  assert {a: r.kind for a, r in long.items()} == {a: a for a in long}
+  assert all(r.original_max_position == 16 for r in long.values())
+  assert long["yarn"].attention_scaling == pytest.approx(0.1 * np.log(4.0) + 1)
+  # longrope: factor = max_position_embeddings / original = 64 / 16
+  assert long["longrope"].attention_scaling == pytest.approx(np.sqrt(1 + np.log(4) / np.log(16)))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -176,13 +197,74 @@ def test_from_hf_errors():
   with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
     ModelConfig.from_hf({"model_type": "bert"})
   llama = dict(HUB_CONFIGS["llama3-8b"])
-  with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-    ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+  with pytest.raises(ValueError, match="unsupported rope_type 'ntk-by-parts'"):
+    ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "ntk-by-parts", "factor": 4.0}})
+  with pytest.raises(ValueError, match="rope_type 'longrope' needs 'long_factor'"):
+    ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "longrope",
+                                                   "short_factor": [1.0] * 64}})
+  with pytest.raises(ValueError, match="rope_type 'dynamic' needs 'factor'"):
+    ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "dynamic"}})
   del llama["hidden_size"]
   with pytest.raises(ValueError, match="hidden_size"):
     ModelConfig.from_hf(llama)
   with pytest.raises(ValueError, match="unknown preset"):
     ModelConfig.preset("llama-70b")
+
+
+def test_long_context_rope_parsing_follows_transformers_defaults():
+  llama = dict(HUB_CONFIGS["llama3-8b"])  # max_position_embeddings 8192
+  # Phi-3 style: the top-level original_max_position_embeddings wins; no factor: the ratio.
+  phi = ModelConfig.from_hf({**llama, "original_max_position_embeddings": 4096, "rope_scaling": {
+      "rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64,
+      "original_max_position_embeddings": 1024}}).rope
+  assert (phi.original_max_position, phi.factor) == (4096, 2.0)
+  assert phi.attention_scaling == pytest.approx(np.sqrt(1 + np.log(2) / np.log(4096)))
+  yarn = ModelConfig.from_hf({**llama, "rope_scaling": {
+      "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+      "mscale": 0.707, "mscale_all_dim": 0.707}}).rope
+  assert (yarn.beta_fast, yarn.beta_slow, yarn.truncate) == (32.0, 1.0, True)
+  assert yarn.attention_scaling == pytest.approx(1.0)  # DeepSeek's mscale / mscale_all_dim
+  assert dataclasses.replace(yarn, attention_factor=1.5).attention_scaling == 1.5
+  dyn = ModelConfig.from_hf({**llama, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+  assert dyn.rope.original_max_position == 8192  # transformers scales past max_position_embeddings
+  with pytest.raises(ValueError, match="longrope short_factor has 3 entries, expected"):
+    RopeConfig(kind="longrope", short_factor=(1.0,) * 3, long_factor=(1.0,) * 3).inv_freq(16)
+
+
+def test_yarn_frequencies_blend_extrapolation_and_interpolation():
+  yarn = RopeConfig(theta=1e4, kind="yarn", factor=8.0, original_max_position=64)
+  base = RopeConfig(theta=1e4).inv_freq(64)
+  got = yarn.inv_freq(64)
+  # The highest frequency (32 rotations within the original length) is kept, the low ones are
+  # divided by the factor, and the ratio falls monotonically between (the ramp).
+  ratio = got / base
+  assert ratio[0] == 1.0
+  np.testing.assert_allclose(ratio[-4:], 1 / 8.0, rtol=1e-6)
+  assert np.all(np.diff(ratio) <= 1e-7) and 1 / 8.0 < ratio[3] < 1.0
+
+
+def test_length_dependent_ropes_take_each_calls_max_position():
+  """rope_tables (traced) equals RopeConfig.inv_freq at seq_len = max(positions) + 1; padding
+  (-1) does not count; at or below the original length both are the unscaled frequencies."""
+  from rkv.models.transformer import rope_tables
+  d = 16
+  ropes = [RopeConfig(theta=1e4, kind="dynamic", factor=4.0, original_max_position=16),
+           RopeConfig(theta=1e4, kind="longrope", factor=4.0, original_max_position=16,
+                      short_factor=np.linspace(1, 1.5, d // 2), long_factor=np.linspace(1, 8, d // 2))]
+  jitted = jax.jit(rope_tables, static_argnums=(0, 1))
+  for rope in ropes:
+    for last in (10, 15, 16, 40):
+      pos = np.stack([np.arange(last - 7, last + 1), np.r_[np.arange(6), -1, -1]]).astype(np.int32)
+      cos, sin = jitted(rope, d, jnp.asarray(pos))
+      inv = rope.inv_freq(d, seq_len=last + 1)
+      scale = rope.attention_scaling
+      np.testing.assert_allclose(np.asarray(cos), np.cos(pos[..., None] * inv) * scale,
+                                 atol=2e-6)
+      np.testing.assert_allclose(np.asarray(sin), np.sin(pos[..., None] * inv) * scale,
+                                 atol=2e-6)
+      unscaled = rope.inv_freq(d)
+      assert np.array_equal(inv, unscaled) == (last + 1 <= 16), (rope.kind, last)
+  assert jitted._cache_size() == 2  # one program per rope: seq_len is data, not shape
 
 
 def test_llama3_rope_scaling_bands():
@@ -265,6 +347,132 @@ def test_fused_projections_round_trip_and_refuse_a_partial_fill():
   with pytest.raises(ValueError, match=r"layers\.1\.attn\.qkv_proj\.bias got \d+ of its \d+ "
                                        r"columns"):
     hf.model_from_tensors(model.config, src, mapping, where="test")
+
+
+def _params(model):
+  return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+def _edit_config(path, **changes):
+  with open(os.path.join(path, "config.json")) as f:
+    d = json.load(f)
+  for k, v in changes.items():
+    if v is None:
+      d.pop(k, None)
+    else:
+      d[k] = v
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(d, f)
+
+
+def test_load_hf_keeps_the_checkpoints_dtype(tmp_path):
+  """No dtype: the checkpoint's own (config.json's dtype, else torch_dtype, else the weights'
+  headers), so a bf16 checkpoint's KV cache is bf16; dtype= overrides it."""
+  bf16 = os.path.join(FIXTURES, "qwen2")  # saved in bfloat16, config "dtype": "bfloat16"
+  model = models.load_hf(bf16, impl="xla")
+  assert model.config.dtype == jnp.bfloat16
+  assert {p.dtype for p in _params(model)} == {jnp.dtype(jnp.bfloat16)}
+  assert models.init_caches(model.config, 1, 8)[0].k.dtype == jnp.bfloat16
+  assert models.load_config(bf16).dtype == jnp.bfloat16
+  f32 = models.load_hf(bf16, jnp.float32, impl="xla")
+  assert {p.dtype for p in _params(f32)} == {jnp.dtype(jnp.float32)}
+  # Same values: bf16 -> f32 is exact, and the bf16 load did not round twice.
+  for a, b in zip(_params(model), _params(f32)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
+  assert models.load_hf(os.path.join(FIXTURES, "llama"), impl="xla").config.dtype == jnp.float32
+  # A 4.x config (torch_dtype) and one that names no dtype (the headers say bfloat16).
+  path = _copy_fixture("gemma3", tmp_path / "g")
+  _edit_config(path, dtype=None, torch_dtype="float16")
+  assert models.load_config(path).dtype == jnp.float16
+  _edit_config(path, torch_dtype=None)
+  assert models.load_config(path).dtype == jnp.bfloat16
+  assert models.load_hf(path, impl="xla").embed.embedding[...].dtype == jnp.bfloat16
+
+
+def test_load_hf_copies_each_parameter_once_already_final(monkeypatch):
+  """What crosses to the device is one host array per parameter, already in the parameter's
+  dtype and [in, out] (fused q/k/v, gate/up) layout: each parameter is that array bit for bit,
+  so no device-side cast, transpose or concatenation followed."""
+  path = os.path.join(FIXTURES, "mistral")  # bf16 weights, loaded as float32
+  sent = []
+  real_put = jax.device_put
+
+  def spy(x, *args, **kwargs):
+    sent.append(x)
+    return real_put(x, *args, **kwargs)
+  monkeypatch.setattr(jax, "device_put", spy)
+  model = models.load_hf(path, jnp.float32, impl="xla")
+  monkeypatch.undo()
+  params = [np.asarray(v) for v in _params(model)]
+  assert len(sent) == len(params)
+  assert all(isinstance(h, np.ndarray) and h.flags.c_contiguous and h.dtype == np.float32
+             for h in sent)
+  by_content = {(h.shape, h.tobytes()) for h in sent}
+  assert all((p.shape, p.tobytes()) in by_content for p in params)
+
+
+def test_load_hf_progress(capsys):
+  path = os.path.join(FIXTURES, "gemma2")
+  models.load_hf(path, impl="xla", progress=True)
+  err = capsys.readouterr().err
+  assert "loading" in err and "tensors" in err
+  models.load_hf(path, impl="xla", progress=False)
+  models.load_hf(path, impl="xla")  # default: a small checkpoint (and no terminal) is quiet
+  assert capsys.readouterr().err == ""
+
+
+def _fake_hub_cache(cache, repo_id, src, revision="main",
+                    commit="0123456789abcdef0123456789abcdef01234567"):
+  """huggingface_hub's cache layout: models--org--name/{blobs,refs/<rev>,snapshots/<commit>/},
+  each snapshot file a symlink to its blob."""
+  repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+  snap = os.path.join(repo, "snapshots", commit)
+  os.makedirs(snap)
+  os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+  os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+  for i, name in enumerate(sorted(os.listdir(src))):
+    blob = os.path.join(repo, "blobs", f"{commit[:8]}{i:032x}")
+    shutil.copy(os.path.join(src, name), blob)
+    os.symlink(os.path.relpath(blob, snap), os.path.join(snap, name))
+  with open(os.path.join(repo, "refs", revision), "w") as f:
+    f.write(commit)
+  return snap
+
+
+def test_load_hf_resolves_hub_ids_from_the_local_cache(tmp_path, monkeypatch):
+  cache = str(tmp_path / "hub")
+  src = os.path.join(FIXTURES, "llama")
+  snap = _fake_hub_cache(cache, "tiny-org/tiny-llama", src)
+  monkeypatch.setenv("HF_HUB_CACHE", cache)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and no network either way
+  assert models.resolve_checkpoint("tiny-org/tiny-llama") == snap
+  model = models.load_hf("tiny-org/tiny-llama", impl="xla")
+  local = models.load_hf(src, impl="xla")
+  assert model.config.name == "tiny-org/tiny-llama"  # the id, not the snapshot's hash
+  assert model.config.replace(name="x") == local.config.replace(name="x")
+  for a, b in zip(_params(model), _params(local)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert models.load_tokenizer("tiny-org/tiny-llama").get_vocab_size() == 128
+  assert models.load_config("tiny-org/tiny-llama", revision=os.path.basename(snap)).num_layers == 2
+  # Not cached (or not at that revision): a ValueError naming the id and the cache searched.
+  with pytest.raises(ValueError, match=f"'tiny-org/nope'.*not in the local HF cache {cache}"):
+    models.load_hf("tiny-org/nope")
+  with pytest.raises(ValueError, match="'tiny-org/tiny-llama' at revision 'v2'"):
+    models.load_hf("tiny-org/tiny-llama", revision="v2")
+  # HF_HOME/hub when HF_HUB_CACHE is unset.
+  monkeypatch.delenv("HF_HUB_CACHE")
+  monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+  assert models.hub_cache_dir() == str(tmp_path / "home" / "hub")
+  with pytest.raises(ValueError, match="tiny-org/tiny-llama"):
+    models.load_config("tiny-org/tiny-llama")
+  home_snap = _fake_hub_cache(str(tmp_path / "home" / "hub"), "tiny-org/tiny-llama", src)
+  assert models.resolve_checkpoint("tiny-org/tiny-llama") == home_snap
+  # A local folder of the same name wins over the cache.
+  local_dir = _copy_fixture("mistral", tmp_path / "cwd" / "tiny-org" / "tiny-llama")
+  monkeypatch.chdir(tmp_path / "cwd")
+  assert models.load_config("tiny-org/tiny-llama").family == "mistral"
+  with pytest.raises(ValueError, match="revision='main' is for hub ids"):
+    models.load_config(local_dir, revision="main")
 
 
 def test_safetensors_roundtrip(tmp_path):

@@ -2,21 +2,26 @@
 
 Families are presets over feature switches, not subclasses (docs/DESIGN.md §8):
 
-| switch             | Llama-3 | Qwen2      | Mistral   | Gemma-2          | Gemma-3                  |
-| ------------------ | ------- | ---------- | --------- | ---------------- | ------------------------ |
-| ``layer_windows``  | None    | None [1]   | W (all)   | W / None alt.    | W ×5, None ×1 (pattern 6) |
-| ``rope_local``     | –       | –          | –         | –                | base 10k (global: 1M)    |
-| ``qkv_bias``       |         | yes        |           |                  |                          |
-| ``norm_plus_one``  |         |            |           | (1 + w)          | (1 + w)                  |
-| ``sandwich_norms`` |         |            |           | post-attn/ffw    | post-attn/ffw            |
-| ``qk_norm``        |         |            |           |                  | yes                      |
-| ``embed_scale``    |         |            |           | × sqrt(hidden)   | × sqrt(hidden)           |
-| ``query_pre_attn_scalar`` | – | –        | –         | 256              | 256                      |
-| softcaps           |         |            |           | attn 50, final 30 |                         |
-| ``activation``     | silu    | silu       | silu      | gelu_tanh        | gelu_tanh                |
+| switch             | Llama-3 | Qwen2      | Qwen3      | Mistral   | Gemma-2          | Gemma-3                  |
+| ------------------ | ------- | ---------- | ---------- | --------- | ---------------- | ------------------------ |
+| ``layer_windows``  | None    | None [1]   | None [1]   | W (all)   | W / None alt.    | W ×5, None ×1 (pattern 6) |
+| ``rope_local``     | –       | –          | –          | –         | –                | base 10k (global: 1M)    |
+| ``qkv_bias``       |         | yes        |            |           |                  |                          |
+| ``norm_plus_one``  |         |            |            |           | (1 + w)          | (1 + w)                  |
+| ``sandwich_norms`` |         |            |            |           | post-attn/ffw    | post-attn/ffw            |
+| ``qk_norm``        |         |            | w [2]      |           |                  | (1 + w)                  |
+| ``embed_scale``    |         |            |            |           | × sqrt(hidden)   | × sqrt(hidden)           |
+| ``query_pre_attn_scalar`` | – | –        | –          | –         | 256              | 256                      |
+| softcaps           |         |            |            |           | attn 50, final 30 |                         |
+| ``activation``     | silu    | silu       | silu       | silu      | gelu_tanh        | gelu_tanh                |
 
-[1] Qwen2 has a sliding window on layers >= ``max_window_layers`` only when
-``use_sliding_window`` is set (never in the released Qwen2.5 checkpoints).
+[1] Qwen2/Qwen3 have a sliding window on layers >= ``max_window_layers`` only when
+``use_sliding_window`` is set (never in the released Qwen2.5 / Qwen3 checkpoints).
+[2] Qwen3: an RMSNorm over each head's ``head_dim`` of q and of k (Llama-style weight), before
+RoPE; ``head_dim`` is explicit (128 in the released models, not hidden / heads).
+
+Every family takes the rope types of :class:`RopeConfig` (default, linear, llama3, yarn, dynamic,
+longrope) from its ``rope_parameters`` / ``rope_scaling``.
 
 ``layer_windows`` is what the residency planner reads: ``None`` for a global layer (its KV cache
 grows with the context), an int W for a sliding-window layer (a query at position p sees keys at
@@ -32,22 +37,23 @@ from typing import Any, Mapping
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # HF architecture / model_type -> family.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # text part only
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "gemma2": "gemma2",
-               "gemma3_text": "gemma3", "gemma3": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+               "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -62,6 +68,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                   max_position_embeddings=32768, hidden_act="silu", use_sliding_window=False,
                   sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  max_position_embeddings=32768, hidden_act="silu", head_dim=128,
+                  attention_bias=False, use_sliding_window=False, sliding_window=4096,
+                  max_window_layers=28),
     "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                     max_position_embeddings=4096 * 32, hidden_act="silu", sliding_window=4096),
     "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
@@ -89,11 +99,36 @@ def _err(where: str, msg: str) -> ValueError:
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-  """Rotary embedding of one layer type (HF ``rope_parameters``).
+  """Rotary embedding of one layer type (HF ``rope_parameters``), computed as transformers does.
 
-  ``kind``: ``"default"``; ``"linear"`` (inverse frequencies / ``factor``, Gemma-3 global layers);
-  ``"llama3"`` (Llama-3.1 band-wise scaling with ``low_freq_factor``, ``high_freq_factor`` and
-  ``original_max_position``).
+  ``kind``:
+
+  - ``"default"``; ``"linear"`` (inverse frequencies / ``factor``, Gemma-3 global layers);
+  - ``"llama3"`` (Llama-3.1 band-wise scaling with ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position``);
+  - ``"yarn"`` (Qwen3 / DeepSeek long context): frequencies blended between extrapolated and
+    interpolated (``/ factor``) along a ramp set by ``beta_fast``, ``beta_slow`` and
+    ``original_max_position``; cos/sin are multiplied by :attr:`attention_scaling` (the
+    ``attention_factor``, else derived from ``factor``, ``mscale`` and ``mscale_all_dim``);
+  - ``"longrope"`` (Phi-3 style): the frequencies divided by ``short_factor`` while a forward's
+    sequence fits in ``original_max_position``, by ``long_factor`` once it does not; cos/sin
+    scaled by :attr:`attention_scaling` (``attention_factor``, else
+    ``sqrt(1 + ln factor / ln original_max_position)``), whichever factors are in use;
+  - ``"dynamic"`` (dynamic NTK): the default frequencies up to ``original_max_position`` (HF's
+    ``max_position_embeddings``), beyond it a larger base,
+    ``theta * (factor * seq_len / original_max_position - (factor - 1)) ** (D / (D - 2))``.
+
+  ``longrope`` and ``dynamic`` depend on the length of the sequence (:attr:`length_dependent`).
+  Like transformers, rkv takes ``seq_len = max(positions) + 1`` of each forward call, over the
+  whole batch (:func:`rkv.models.transformer.rope_tables`). One forward over the whole sequence
+  therefore matches transformers exactly. With a KV cache each call rotates only its own tokens
+  with its own ``seq_len``, and keys already in the cache keep the rotation they were stored with,
+  which is what transformers' ``generate`` does too (it never re-rotates cached keys): the chunks
+  of a prefill and every decode step see different frequencies once the sequence passes
+  ``original_max_position``, so a chunked or incremental run does not equal one full forward.
+  (transformers' dynamic rotary keeps the largest ``seq_len`` it has seen until a call shorter
+  than ``original_max_position``; with positions growing call by call, as in generation, that is
+  the same ``seq_len``.)
   """
 
   theta: float = 10000.0
@@ -102,16 +137,88 @@ class RopeConfig:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
+  # yarn / longrope: the cos/sin multiplier; None derives it from the factors as transformers does.
+  attention_factor: float | None = None
+  # yarn only
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+  # longrope only: one divisor per frequency (D/2 each)
+  short_factor: tuple | None = None
+  long_factor: tuple | None = None
 
   def __post_init__(self):
     if self.kind not in ROPE_KINDS:
       raise _err("RopeConfig", f"kind must be one of {ROPE_KINDS}, got {self.kind!r}")
     if not self.theta > 0 or not self.factor > 0:
       raise _err("RopeConfig", f"theta and factor must be > 0, got {self.theta}, {self.factor}")
+    if self.attention_factor is not None and not self.attention_factor > 0:
+      raise _err("RopeConfig", f"attention_factor must be None or > 0, got "
+                               f"{self.attention_factor!r}")
+    if self.kind in ("yarn", "longrope", "dynamic", "llama3") \
+        and not int(self.original_max_position) >= 1:
+      raise _err("RopeConfig", f"original_max_position must be >= 1, got "
+                               f"{self.original_max_position!r}")
+    for name in ("short_factor", "long_factor"):
+      v = getattr(self, name)
+      if v is not None:  # lists (from JSON) become tuples: the config stays hashable
+        v = tuple(float(x) for x in v)
+        if not all(x > 0 for x in v):
+          raise _err("RopeConfig", f"{name} entries must be > 0, got {v}")
+        object.__setattr__(self, name, v)
+    if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+      raise _err("RopeConfig", "kind='longrope' needs short_factor and long_factor")
 
-  def inv_freq(self, head_dim: int) -> np.ndarray:
-    """``[D/2]`` float32 inverse frequencies, computed as transformers does (float32 powers)."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+  @property
+  def length_dependent(self) -> bool:
+    """Whether the frequencies depend on the forward's sequence length (longrope, dynamic)."""
+    return self.kind in ("longrope", "dynamic")
+
+  @property
+  def attention_scaling(self) -> float:
+    """The factor transformers multiplies cos and sin by (1.0 but for yarn and longrope)."""
+    if self.kind not in ("yarn", "longrope"):
+      return 1.0
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+    factor = self.factor
+    if self.kind == "longrope":
+      if factor <= 1.0:
+        return 1.0
+      return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position))
+
+    def mscale(scale, m=1.0):
+      return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if self.mscale and self.mscale_all_dim:
+      return float(mscale(factor, self.mscale) / mscale(factor, self.mscale_all_dim))
+    return mscale(factor)
+
+  def _exponents(self, head_dim: int) -> np.ndarray:
+    return np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+
+  def _check_factors(self, head_dim: int) -> None:
+    for name in ("short_factor", "long_factor"):
+      v = getattr(self, name)
+      if len(v) != head_dim // 2:
+        raise _err("RopeConfig", f"longrope {name} has {len(v)} entries, expected head_dim/2 = "
+                                 f"{head_dim // 2}")
+
+  def inv_freq(self, head_dim: int, seq_len: int | None = None) -> np.ndarray:
+    """``[D/2]`` float32 inverse frequencies, computed as transformers does (float32 powers).
+
+    ``seq_len`` (the forward's ``max(positions) + 1``) matters only for :attr:`length_dependent`
+    kinds; None is transformers' value at initialization (short factors; the unscaled base).
+    :func:`rkv.models.transformer.rope_tables` computes the same from traced positions."""
+    exponents = self._exponents(head_dim)
+    if self.kind == "longrope":
+      self._check_factors(head_dim)
+      long = seq_len is not None and seq_len > self.original_max_position
+      ext = np.asarray(self.long_factor if long else self.short_factor, np.float32)
+      return (np.float32(1.0) / (ext * np.float32(self.theta) ** exponents)).astype(np.float32)
+    if self.kind == "dynamic" and seq_len is not None and seq_len > self.original_max_position:
+      return dynamic_inv_freq(np, self, exponents, np.float32(seq_len))
     inv = (np.float32(1.0) / (np.float32(self.theta) ** exponents)).astype(np.float32)
     if self.kind == "linear":
       inv = inv / np.float32(self.factor)
@@ -125,7 +232,39 @@ class RopeConfig:
       smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
       medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
       inv = np.where(medium, smoothed, scaled)
+    elif self.kind == "yarn":
+      inv = self._yarn(head_dim, exponents)
     return inv.astype(np.float32)
+
+  def _yarn(self, head_dim: int, exponents: np.ndarray) -> np.ndarray:
+    pos_freqs = np.float32(self.theta) ** exponents
+    extrapolated = np.float32(1.0) / pos_freqs
+    interpolated = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
+
+    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times
+      return (head_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))
+              / (2 * math.log(self.theta)))
+    low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+      high += 0.001  # as transformers: no division by zero
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    return interpolated * (np.float32(1) - keep) + extrapolated * keep
+
+
+def dynamic_inv_freq(xp, rope: "RopeConfig", exponents, seq_len):
+  """Dynamic NTK's inverse frequencies for a (float32) ``seq_len`` beyond
+  ``rope.original_max_position``, with ``xp`` = numpy or jax.numpy (traced ``seq_len``): the
+  float32 operations of transformers' ``_compute_dynamic_ntk_parameters``."""
+  f32 = xp.float32
+  d = 2 * exponents.shape[0]
+  grow = (f32(rope.factor) * seq_len / f32(rope.original_max_position)) - f32(rope.factor - 1)
+  base = f32(rope.theta) * grow ** f32(d / (d - 2))
+  return (f32(1.0) / base ** exponents).astype(f32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,39 +421,69 @@ def hf_family(config: Mapping[str, Any], where: str = "ModelConfig.from_hf") -> 
   return MODEL_TYPES[mt]
 
 
-def _rope_from_params(p: Mapping[str, Any] | None, theta, max_pos: int, where: str) -> RopeConfig:
+def _rope_from_params(p: Mapping[str, Any] | None, theta, max_pos: int, where: str,
+                      top_original: int | None = None) -> RopeConfig:
+  """One layer type's :class:`RopeConfig` from HF rope parameters, with transformers' defaults.
+
+  ``max_pos`` is the config's ``max_position_embeddings``; ``top_original`` a top-level
+  ``original_max_position_embeddings`` (Phi-3 style), which transformers prefers to the one inside
+  the rope parameters."""
   p = dict(p or {})
   kind = p.get("rope_type", p.get("type", "default"))
   theta = float(p.get("rope_theta", theta))
   if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
     raise _err(where, f"partial_rotary_factor={p['partial_rotary_factor']} is not supported")
+  original = int(top_original or p.get("original_max_position_embeddings") or max_pos)
+
+  def need(key):
+    if p.get(key) is None:
+      raise _err(where, f"rope_type {kind!r} needs {key!r} in its rope parameters")
+    return p[key]
   if kind == "default":
     return RopeConfig(theta=theta)
   if kind == "linear":
-    return RopeConfig(theta=theta, kind="linear", factor=float(p["factor"]))
+    return RopeConfig(theta=theta, kind="linear", factor=float(need("factor")))
   if kind == "llama3":
-    return RopeConfig(theta=theta, kind="llama3", factor=float(p["factor"]),
-                      low_freq_factor=float(p["low_freq_factor"]),
-                      high_freq_factor=float(p["high_freq_factor"]),
-                      original_max_position=int(p.get("original_max_position_embeddings",
-                                                       max_pos)))
+    return RopeConfig(theta=theta, kind="llama3", factor=float(need("factor")),
+                      low_freq_factor=float(need("low_freq_factor")),
+                      high_freq_factor=float(need("high_freq_factor")),
+                      original_max_position=original)
+  opt = lambda key: None if p.get(key) is None else float(p[key])
+  if kind == "dynamic":
+    # transformers scales beyond max_position_embeddings (not original_max_position_embeddings).
+    return RopeConfig(theta=theta, kind="dynamic", factor=float(need("factor")),
+                      original_max_position=int(max_pos))
+  if kind in ("yarn", "longrope"):
+    # Without a factor both derive it from the lengths (DeepSeek-V3, Phi-3 configs).
+    factor = float(p["factor"]) if p.get("factor") is not None else max_pos / original
+    common = dict(theta=theta, kind=kind, factor=factor, original_max_position=original,
+                  attention_factor=opt("attention_factor"))
+    if kind == "yarn":
+      return RopeConfig(**common, beta_fast=float(p.get("beta_fast") or 32),
+                        beta_slow=float(p.get("beta_slow") or 1), mscale=opt("mscale"),
+                        mscale_all_dim=opt("mscale_all_dim"),
+                        truncate=bool(p.get("truncate", True)))
+    return RopeConfig(**common, short_factor=tuple(need("short_factor")),
+                      long_factor=tuple(need("long_factor")))
   raise _err(where, f"unsupported rope_type {kind!r}; supported: {ROPE_KINDS}")
 
 
 def _ropes(d: Mapping[str, Any], family: str, where: str) -> tuple[RopeConfig, RopeConfig | None]:
   max_pos = int(d["max_position_embeddings"])
+  top_original = d.get("original_max_position_embeddings")
+  rope = lambda p, theta: _rope_from_params(p, theta, max_pos, where, top_original)
   rp = d.get("rope_parameters")
   if rp:  # transformers >= 5: one dict, or one per layer type
     if "full_attention" in rp or "sliding_attention" in rp:
       theta = d.get("rope_theta", 10000.0)
-      glob = _rope_from_params(rp.get("full_attention"), theta, max_pos, where)
+      glob = rope(rp.get("full_attention"), theta)
       local = rp.get("sliding_attention")
-      local = None if local is None else _rope_from_params(local, theta, max_pos, where)
+      local = None if local is None else rope(local, theta)
       return glob, (None if local == glob else local)
-    return _rope_from_params(rp, d.get("rope_theta", 10000.0), max_pos, where), None
+    return rope(rp, d.get("rope_theta", 10000.0)), None
   # transformers 4.x: rope_theta + rope_scaling (Gemma-3: scaling on global layers only, the
   # local layers use rope_local_base_freq unscaled).
-  glob = _rope_from_params(d.get("rope_scaling"), d["rope_theta"], max_pos, where)
+  glob = rope(d.get("rope_scaling"), d["rope_theta"])
   if family == "gemma3":
     return glob, RopeConfig(theta=float(d["rope_local_base_freq"]))
   return glob, None
@@ -328,7 +497,7 @@ def _layer_windows(d: Mapping[str, Any], family: str, n: int, where: str) -> tup
       types = ["full_attention"] * n
     elif family == "mistral":
       types = ["sliding_attention"] * n
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen3"):
       sliding = bool(d.get("use_sliding_window"))
       types = ["sliding_attention" if sliding and i >= d["max_window_layers"] else
                "full_attention" for i in range(n)]
@@ -385,7 +554,8 @@ def _from_hf(config: Mapping[str, Any], *, dtype=None, name=None) -> ModelConfig
       head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
       layer_windows=_layer_windows(d, family, n, where), rope=rope, rope_local=rope_local,
       rms_norm_eps=float(d["rms_norm_eps"]), norm_plus_one=gemma, sandwich_norms=gemma,
-      qk_norm=family == "gemma3", qkv_bias=attn_bias or family == "qwen2", o_bias=attn_bias,
+      qk_norm=family in ("gemma3", "qwen3"), qkv_bias=attn_bias or family == "qwen2",
+      o_bias=attn_bias,
       mlp_bias=bool(d.get("mlp_bias", False)), activation=_HF_ACTIVATIONS[act],
       embed_scale=gemma,
       query_pre_attn_scalar=float(d["query_pre_attn_scalar"]) if gemma else None,
@@ -428,6 +598,12 @@ def _presets() -> dict[str, ModelConfig]:
           rope=RopeConfig(theta=1_000_000.0), rms_norm_eps=1e-6, qkv_bias=True,
           tie_embeddings=True, max_position_embeddings=131072, family="qwen2",
           name="qwen2.5-1.5b", dtype="bfloat16"),
+      # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128 given explicitly, no qkv bias
+      "qwen3-8b": ModelConfig(
+          vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+          num_heads=32, num_kv_heads=8, head_dim=128, layer_windows=(None,) * 36,
+          rope=RopeConfig(theta=1_000_000.0), rms_norm_eps=1e-6, qk_norm=True,
+          max_position_embeddings=40960, family="qwen3", name="qwen3-8b", dtype="bfloat16"),
       # mistralai/Mistral-7B-v0.1 (sliding window 4096 on every layer)
       "mistral-7b": ModelConfig(
           vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -457,6 +633,8 @@ def _presets() -> dict[str, ModelConfig]:
                                             name="tiny-llama", **tiny)
   p["tiny-qwen2"] = p["qwen2.5-1.5b"].replace(num_layers=2, layer_windows=(None,) * 2,
                                                name="tiny-qwen2", **tiny)
+  p["tiny-qwen3"] = p["qwen3-8b"].replace(num_layers=2, layer_windows=(None,) * 2,
+                                           name="tiny-qwen3", **tiny)
   p["tiny-mistral"] = p["mistral-7b"].replace(num_layers=2, layer_windows=(8,) * 2,
                                                name="tiny-mistral", **tiny)
   p["tiny-gemma2"] = p["gemma2-2b"].replace(

@@ -1,10 +1,17 @@
-"""Local Hugging Face checkpoints: ``load_hf(path)`` and ``load_tokenizer(path)``.
+"""Hugging Face checkpoints: ``load_hf(path_or_id)``, ``load_config``, ``load_tokenizer``.
 
 A checkpoint folder holds ``config.json`` and the weights as ``model.safetensors``, or shards
-listed by ``model.safetensors.index.json``. Nothing is downloaded. safetensors files are read by
-the small reader below (an 8-byte header length, a JSON header, raw little-endian tensors): the
-tensors are ``numpy.memmap`` views, bfloat16 via ``ml_dtypes`` (a JAX dependency), so a checkpoint
-is never held twice in host memory and no extra package is needed.
+listed by ``model.safetensors.index.json``. The folder is a local path, or a hub id
+(``"org/name"``) already in the local HF cache, resolved by ``huggingface_hub.snapshot_download``
+with ``local_files_only=True`` (``HF_HUB_CACHE`` / ``HF_HOME`` read at call time): nothing is ever
+downloaded. safetensors files are read by the small reader below (an 8-byte header length, a JSON
+header, raw little-endian tensors): the tensors are ``numpy.memmap`` views, bfloat16 via
+``ml_dtypes`` (a JAX dependency), so a checkpoint is never held twice in host memory.
+
+Loading keeps the checkpoint's own dtype unless told otherwise (a bf16 checkpoint is a bf16
+model, and its KV cache is bf16), assembles each parameter on the host (numpy, from the memmap:
+cast, transposed, the fused projections side by side) and copies it to the device once, already
+in its final dtype and layout: no device-side cast or transpose copy, no float32 detour.
 
 HF weight names -> model parameters (``P`` = ``model.``, or for Gemma-3 multimodal checkpoints
 ``language_model.model.`` / ``model.language_model.``; HF linear weights are ``[out, in]``, NNX
@@ -16,7 +23,7 @@ kernels ``[in, out]``, so projections are transposed):
 | ``P layers.i.self_attn.{q,k,v}_proj.weight``    | ``layers.i.attn.qkv_proj.kernel`` (T, columns q, k, v) |
 | ``P layers.i.self_attn.{q,k,v}_proj.bias``      | ``layers.i.attn.qkv_proj.bias`` (same columns) |
 | ``P layers.i.self_attn.o_proj.{weight,bias}``   | ``layers.i.attn.o_proj.{kernel (T),bias}`` |
-| ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Gemma-3) |
+| ``P layers.i.self_attn.{q,k}_norm.weight``      | ``layers.i.attn.{q,k}_norm.scale`` (Qwen3, Gemma-3) |
 | ``P layers.i.mlp.{gate,up}_proj.weight``        | ``layers.i.mlp.gate_up_proj.kernel`` (T, columns gate, up) |
 | ``P layers.i.mlp.down_proj.weight``             | ``layers.i.mlp.down_proj.kernel`` (T)      |
 | ``P layers.i.input_layernorm.weight``           | ``layers.i.attn_norm.scale``               |
@@ -31,14 +38,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import NamedTuple
 
-import jax.numpy as jnp
+import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from rkv.models.config import ModelConfig
+from rkv.models.config import DTYPES, ModelConfig
 from rkv.models.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -56,6 +64,9 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100 << 20
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+# progress=None shows a bar only for checkpoints at least this large (and only on a terminal):
+# smaller ones load in a second or two, and a bar in every test log or notebook cell is noise.
+PROGRESS_MIN_BYTES = 1 << 30
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,17 +228,104 @@ def _index_shards(index, where: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Config and weights
 # ----------------------------------------------------------------------------------------------
-def _check_dir(path: str, where: str) -> str:
-  path = os.fspath(path)
-  if not os.path.isdir(path):
+def hub_cache_dir() -> str:
+  """The HF hub cache folder, from the environment as it is now: ``HF_HUB_CACHE``, else the
+  legacy ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else huggingface_hub's default
+  (``~/.cache/huggingface/hub``). huggingface_hub reads these once, at its import; reading them
+  per call lets a process (or a test) point at another cache later."""
+  for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+    if os.environ.get(var):
+      return os.path.expanduser(os.path.expandvars(os.environ[var]))
+  if os.environ.get("HF_HOME"):
+    return os.path.join(os.path.expanduser(os.path.expandvars(os.environ["HF_HOME"])), "hub")
+  from huggingface_hub import constants
+  return constants.HF_HUB_CACHE
+
+
+def _is_repo_id(name: str) -> bool:
+  """Whether ``name`` can be a hub id (``org/name`` or a bare legacy ``name``), not a path."""
+  if not name or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+    return False
+  try:
+    from huggingface_hub.utils import validate_repo_id
+  except ImportError:  # without huggingface_hub every name is a path
+    return False
+  try:
+    validate_repo_id(name)
+  except ValueError:  # HFValidationError
+    return False
+  return True
+
+
+def resolve_checkpoint(path_or_id, *, revision: str | None = None, where: str = "load_hf") -> str:
+  """The local folder of a checkpoint: ``path_or_id`` itself when it is a folder, else the
+  snapshot of the hub id ``path_or_id`` (``"org/name"``) in the local HF cache
+  (:func:`hub_cache_dir`) at ``revision`` (a branch, tag or commit; None: ``main``), found by
+  ``huggingface_hub.snapshot_download(..., local_files_only=True)``: no network, ever. A name that
+  is neither raises ``ValueError`` naming it and the cache searched."""
+  path = os.fspath(path_or_id)
+  if os.path.isdir(path):
+    if revision is not None:
+      raise ValueError(f"{where}: revision={revision!r} is for hub ids; {path!r} is a local folder")
+    return path
+  if not _is_repo_id(path):
     raise ValueError(f"{where}: checkpoint folder {path!r} does not exist (no downloads: pass a "
-                     f"local folder holding {CONFIG_FILE} and *.safetensors)")
-  return path
+                     f"local folder holding {CONFIG_FILE} and *.safetensors, or the id of a "
+                     f"model in the local Hugging Face cache, 'org/name')")
+  try:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+  except ImportError:
+    raise ValueError(f"{where}: {path!r} is not a local folder, and resolving it as a hub id "
+                     f"needs the 'huggingface_hub' package (pip install huggingface_hub)") from None
+  cache = hub_cache_dir()
+  try:
+    return snapshot_download(path, revision=revision, cache_dir=cache, local_files_only=True)
+  except LocalEntryNotFoundError as e:  # not cached, or cached incompletely
+    at = "" if revision is None else f" at revision {revision!r}"
+    raise ValueError(f"{where}: {path!r} is not a local folder, and the Hugging Face hub id "
+                     f"{path!r}{at} is not in the local HF cache {cache} ({e}). rkv never "
+                     f"downloads: fetch it first (`hf download {path}`), or point HF_HUB_CACHE / "
+                     f"HF_HOME at the cache that holds it") from None
 
 
-def load_config(path: str, *, dtype=None) -> ModelConfig:
-  """The :class:`ModelConfig` of a local checkpoint folder's ``config.json``."""
-  path = _check_dir(path, "load_config")
+def _dtype_name(value) -> str | None:
+  """A config's ``dtype`` / ``torch_dtype`` ("bfloat16", "torch.bfloat16") if rkv runs it."""
+  if not isinstance(value, str):
+    return None
+  name = value.removeprefix("torch.")
+  return name if name in DTYPES else None
+
+
+def weights_dtype(tensors) -> str | None:
+  """The float dtype holding most bytes among ``tensors`` (name -> array), if rkv runs it."""
+  by_dtype: dict[str, int] = {}
+  for a in tensors.values():
+    if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16:
+      by_dtype[np.dtype(a.dtype).name] = by_dtype.get(np.dtype(a.dtype).name, 0) + a.nbytes
+  if not by_dtype:
+    return None
+  name = max(by_dtype, key=by_dtype.get)
+  return name if name in DTYPES else None
+
+
+def _config_dtype(config: dict) -> str | None:
+  for d in (config, config.get("text_config") or {}):
+    for key in ("dtype", "torch_dtype"):
+      name = _dtype_name(d.get(key))
+      if name:
+        return name
+  return None
+
+
+def checkpoint_dtype(config: dict, tensors=None) -> str:
+  """The dtype a checkpoint loads in by default: its ``config.json``'s ``dtype`` (transformers 5)
+  or ``torch_dtype`` (4.x), also inside ``text_config``; else the float dtype of most of its
+  weights (``tensors``: the safetensors views, whose headers say it); else float32."""
+  return _config_dtype(config) or (weights_dtype(tensors) if tensors else None) or "float32"
+
+
+def _read_config_json(path: str) -> dict:
   cfg_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(cfg_path):
     raise ValueError(f"load_hf({path}): missing {CONFIG_FILE}")
@@ -235,7 +333,40 @@ def load_config(path: str, *, dtype=None) -> ModelConfig:
   if not isinstance(d, dict):
     raise ValueError(f"load_hf({path}): {CONFIG_FILE} must be a JSON object, got "
                      f"{type(d).__name__}")
-  return ModelConfig.from_hf(d, dtype=dtype, name=os.path.basename(os.path.normpath(path)))
+  return d
+
+
+def _read_weights(path: str) -> dict[str, np.ndarray]:
+  tensors: dict[str, np.ndarray] = {}
+  for file in checkpoint_files(path):
+    tensors.update(read_safetensors(file))
+  return tensors
+
+
+def load_config(path: str, *, dtype=None, revision: str | None = None) -> ModelConfig:
+  """The :class:`ModelConfig` of a checkpoint's ``config.json`` (a folder, or a hub id in the
+  local HF cache: :func:`resolve_checkpoint`). ``dtype=None``: the checkpoint's own
+  (:func:`checkpoint_dtype`; the safetensors headers are read only when the config names none)."""
+  folder = resolve_checkpoint(path, revision=revision, where="load_config")
+  return _config_of(folder, _read_config_json(folder), dtype, None, _checkpoint_name(path, folder))
+
+
+def _checkpoint_name(path_or_id, folder: str) -> str:
+  """The model's name: the hub id as given when it came from the cache (not the snapshot's
+  commit hash), else the folder's name."""
+  given = os.fspath(path_or_id)
+  return given if given != folder else os.path.basename(os.path.normpath(folder))
+
+
+def _config_of(folder: str, d: dict, dtype, tensors, name: str) -> ModelConfig:
+  if dtype is None:
+    if tensors is None and _config_dtype(d) is None:
+      try:
+        tensors = _read_weights(folder)  # headers only: the data stays memory-mapped, unread
+      except ValueError:
+        tensors = None
+    dtype = checkpoint_dtype(d, tensors)
+  return ModelConfig.from_hf(d, dtype=dtype, name=name)
 
 
 class WeightSlot(NamedTuple):
@@ -326,20 +457,35 @@ def _check_layer_count(where: str, config: ModelConfig, prefix: str, tensors) ->
                      f"ignored): the config does not match the weights")
 
 
-def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
-  """A :class:`~rkv.models.Transformer` with the weights of a local HF checkpoint folder.
+def load_hf(path: str, dtype=None, *, impl: str = "auto", progress: bool | None = None,
+            revision: str | None = None) -> Transformer:
+  """A :class:`~rkv.models.Transformer` with the weights of an HF checkpoint.
 
-  Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Gemma2ForCausalLM,
-  Gemma3ForCausalLM and the text part of Gemma3ForConditionalGeneration. Parameters are cast to
-  ``dtype``. A missing folder/file, an unsupported architecture or a missing or misshapen tensor
-  raises ``ValueError`` naming it.
+  ``path``: a local checkpoint folder, or a hub id (``"org/name"``) already in the local HF cache
+  (``HF_HUB_CACHE`` / ``HF_HOME``), at ``revision`` (None: ``main``); nothing is downloaded
+  (:func:`resolve_checkpoint`). Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+  MistralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM and the text part of
+  Gemma3ForConditionalGeneration, with the rope types of :class:`rkv.models.RopeConfig`.
+
+  ``dtype``: the parameters', activations' and KV cache's dtype. None (the default, as
+  transformers' ``dtype="auto"``): the checkpoint's own, from ``config.json``'s ``dtype`` /
+  ``torch_dtype``, else the float dtype of most of its weights in the safetensors headers, else
+  float32 (:func:`checkpoint_dtype`); a bf16 checkpoint is a bf16 model. Pass ``jnp.float32`` for
+  float32 logits parity. Each weight is cast and transposed on the host and copied to the device
+  once.
+
+  ``progress``: a tqdm bar (stderr) over the bytes copied to the device. None (the default): a
+  bar only when stderr is a terminal and the checkpoint holds at least ``PROGRESS_MIN_BYTES``
+  (1 GiB); True / False: always / never.
+
+  A missing folder/file, a hub id not in the cache, an unsupported architecture or a missing or
+  misshapen tensor raises ``ValueError`` naming it.
   """
-  path = _check_dir(path, "load_hf")
-  config = load_config(path, dtype=dtype)
-  where = f"load_hf({path})"
-  tensors: dict[str, np.ndarray] = {}
-  for file in checkpoint_files(path):
-    tensors.update(read_safetensors(file))
+  folder = resolve_checkpoint(path, revision=revision, where="load_hf")
+  where = f"load_hf({folder})"
+  d = _read_config_json(folder)
+  tensors = _read_weights(folder)
+  config = _config_of(folder, d, dtype, tensors, _checkpoint_name(path, folder))
 
   prefix = next((p for p in _TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors), None)
   if prefix is None:
@@ -355,22 +501,35 @@ def load_hf(path: str, dtype=jnp.float32, *, impl: str = "auto") -> Transformer:
     more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
     raise ValueError(f"{where}: missing tensors for {config.family} ({len(missing)}): "
                      f"{missing[:8]}{more}")
-  return model_from_tensors(config, tensors, mapping, where=where, impl=impl)
+  return model_from_tensors(config, tensors, mapping, where=where, impl=impl, progress=progress)
+
+
+def _progress_bar(mapping, tensors, progress: bool | None):
+  """A tqdm bar over the bytes of ``mapping``'s tensors, or None (see :func:`load_hf`)."""
+  total = sum(int(tensors[s.name].nbytes) for s in mapping if s.name in tensors)
+  if progress is None:
+    progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+  if not progress:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              desc=f"loading {len(mapping)} tensors", leave=False)
 
 
 def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
-                       impl: str = "auto") -> Transformer:
+                       impl: str = "auto", progress: bool | None = False) -> Transformer:
   """A :class:`Transformer` of ``config`` whose parameters are filled from ``tensors[name]`` for
   each :class:`WeightSlot` of ``mapping`` (:func:`hf_weight_map`'s layout), cast to the
   parameters' dtype. Each parameter is assembled (transposed, fused) in host memory and copied to
   the device once. Shared by :func:`load_hf` and :func:`rkv.models.load_gguf`; a misshapen
   tensor, or a parameter the mapping leaves partly unfilled, raises ``ValueError`` prefixed with
-  ``where``."""
+  ``where``. ``progress``: as :func:`load_hf`'s."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), impl=impl))
   graphdef, state = nnx.split(abstract)
   values = nnx.to_pure_dict(state)
   host: dict[tuple, np.ndarray] = {}    # parameter path -> its host buffer
   filled: dict[tuple, int] = {}         # parameter path -> columns filled so far
+  bar = _progress_bar(mapping, tensors, progress)
   for slot in mapping:
     want = _get(values, slot.path)
     cols = (0, want.shape[-1]) if slot.columns is None else slot.columns
@@ -386,6 +545,10 @@ def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
     x = np.asarray(arr)
     buf[..., cols[0]:cols[1]] = x.T if slot.transpose else x   # transposed and cast on the host
     filled[slot.path] = filled.get(slot.path, 0) + part[-1]
+    if bar is not None:
+      bar.update(int(arr.nbytes))
+  if bar is not None:
+    bar.close()
   for ppath, buf in host.items():
     if filled[ppath] != buf.shape[-1]:
       raise ValueError(f"{where}: parameter {'.'.join(map(str, ppath))} got {filled[ppath]} of "
@@ -393,7 +556,7 @@ def model_from_tensors(config: ModelConfig, tensors, mapping, *, where: str,
     tree = values
     for p in ppath[:-1]:
       tree = tree[p]
-    tree[ppath[-1]] = jnp.asarray(buf)
+    tree[ppath[-1]] = jax.device_put(buf)  # one explicit copy, already final
   unfilled = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(state) if tuple(p) not in host]
   if unfilled:
     raise ValueError(f"{where}: the weight map leaves parameters unfilled: {unfilled[:8]}")
@@ -415,9 +578,10 @@ def model_tensors(model: Transformer, prefix: str = "model.") -> dict[str, np.nd
   return out
 
 
-def load_tokenizer(path: str):
-  """The ``tokenizers.Tokenizer`` of ``path/tokenizer.json``, or None when there is none."""
-  path = _check_dir(path, "load_tokenizer")
+def load_tokenizer(path: str, *, revision: str | None = None):
+  """The ``tokenizers.Tokenizer`` of ``path/tokenizer.json`` (a folder, or a hub id in the local
+  HF cache: :func:`resolve_checkpoint`), or None when there is none."""
+  path = resolve_checkpoint(path, revision=revision, where="load_tokenizer")
   file = os.path.join(path, TOKENIZER_FILE)
   if not os.path.isfile(file):
     return None

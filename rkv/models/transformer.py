@@ -8,8 +8,9 @@ One block, switched by :class:`~rkv.models.config.ModelConfig` (no subclass per 
       h = mlp(norm(x))   -> [post_ffw_norm(h)]   x = x + h
     logits = final_norm(x) @ W_out [softcap]                        # tied: W_out = embedding^T
 
-Attention: the fused q/k/v projection (+ bias: Qwen2), [q/k RMSNorm: Gemma-3], RoPE from the layer's
-positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear 8), then
+Attention: the fused q/k/v projection (+ bias: Qwen2), [per-head q/k RMSNorm: Qwen3, Gemma-3],
+RoPE from the layer's positions (its own base and scaling: Gemma-3 local 10k / global 1M x linear
+8; yarn, dynamic NTK and longrope as transformers computes them, see :func:`rope_tables`), then
 :func:`rkv.attention` with ``q_pos``/``k_pos`` = positions, the layer's ``window``, the attention
 softcap and the scale ``query_pre_attn_scalar ** -0.5`` (else ``head_dim ** -0.5``). With caches,
 the layer calls its cache's ``attend`` (the protocol of :mod:`rkv.models.kv`, never a branch on
@@ -34,7 +35,7 @@ from flax import nnx
 from rkv.attention import IMPLS, attention
 from rkv import validation
 from rkv.offload import stream as stream_lib
-from rkv.models.config import ModelConfig, RopeConfig
+from rkv.models.config import ModelConfig, RopeConfig, dynamic_inv_freq
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -67,10 +68,30 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, positions):
-  """``cos, sin [B,T,D/2]`` float32 for integer ``positions [B,T]``."""
-  inv = jnp.asarray(rope.inv_freq(head_dim))
+  """``cos, sin [B,T,D/2]`` float32 for integer ``positions [B,T]``, times the rope's
+  ``attention_scaling`` (yarn, longrope), as transformers' rotary embedding returns them.
+
+  A length-dependent rope (longrope, dynamic NTK) takes ``seq_len = max(positions) + 1`` over the
+  whole call, as transformers does per forward (padding, -1, never raises it). It is traced, so
+  a jitted step does not recompile as the sequence grows; what that means with a KV cache is in
+  :class:`~rkv.models.config.RopeConfig`'s docstring."""
+  base = rope.inv_freq(head_dim)
+  if rope.length_dependent:
+    seq_len = jnp.max(positions).astype(jnp.int32) + 1
+    beyond = seq_len > rope.original_max_position
+    if rope.kind == "longrope":
+      longer = rope.inv_freq(head_dim, seq_len=rope.original_max_position + 1)
+    else:  # dynamic NTK: the base grows with seq_len
+      exponents = jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim
+      longer = dynamic_inv_freq(jnp, rope, exponents, seq_len.astype(jnp.float32))
+    inv = jnp.where(beyond, longer, base)
+  else:
+    inv = jnp.asarray(base)
   freqs = positions.astype(jnp.float32)[..., None] * inv
-  return jnp.cos(freqs), jnp.sin(freqs)
+  cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+  if rope.attention_scaling != 1.0:
+    cos, sin = cos * rope.attention_scaling, sin * rope.attention_scaling
+  return cos, sin
 
 
 def apply_rope(x, cos, sin):

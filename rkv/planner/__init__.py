@@ -46,9 +46,12 @@ from rkv.planner.budget import (DEFAULT_PREFETCH_TILES, DEFAULT_CHUNK_TOKENS, DE
                                 check_device_fit, format_number, format_bytes)
 from rkv.planner.config import (DEFAULT_TILE_CELLS, MODES, MODE_TACTIC, ResidencyConfig)
 from rkv.planner.placement import (CPU_KERNEL_TACTICS, LayerPlan, Plan, available_tactics, plan)
+from rkv.planner.pool import pool_occupancy, pool_windows
 from rkv.planner.sharded import ShardedPlan, device_share, plan_sharded
 
 __all__ = [
+    "pool_occupancy",
+    "pool_windows",
     "MIB",
     "GB",
     "PROFILE_FORMAT",

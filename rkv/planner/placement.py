@@ -73,6 +73,9 @@ class LayerPlan:
   times: Mapping[str, float | None]
   cpu_fraction: float | None = None
   sliding_window: int | None = None
+  # An opt-in "sparse" layer's rkv.sparse.BlockCacheConfig (rkv.sparse.sparse_plan); the
+  # planner itself never sets it.
+  block_cache: object | None = None
 
   @property
   def hybrid_fraction(self) -> float | None:
