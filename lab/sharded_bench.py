@@ -152,19 +152,19 @@ def _filled_sharded_kv(mesh, mc, batch, capacity, fill, seed):
   import jax.numpy as jnp
   from rkv import parallel
   from rkv.parallel.mesh import CELLS_BS, CELLS_BSKD, REPLICATED
-  empty = parallel.ShardedKV.empty(mesh, batch, capacity, mc.num_kv_heads, mc.head_dim, mc.dtype)
-  n, s_l = empty.n_slices, empty.slice_cells
+  n = mesh.devices.shape[0]
+  s_l = -(-capacity // n)  # ShardedKV.empty's slice: ceil(capacity / seq)
   fills = np.clip(fill - s_l * np.arange(n), 0, s_l).astype(np.int32)
   shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)
-  shape = empty.k.shape
+  shape = (batch, n * s_l, mc.num_kv_heads, mc.head_dim)
 
   kv = _kv_program(shape, jnp.dtype(mc.dtype).name, shard(CELLS_BSKD))
   k, v = kv(jax.random.key(seed))
   slot = np.arange(n * s_l)
   pos = np.where(slot % s_l < fills[slot // s_l], slot, -1).astype(np.int32)
   pos = jax.device_put(np.broadcast_to(pos, (batch, n * s_l)), shard(CELLS_BS))
-  return dataclasses.replace(empty, k=k, v=v, pos=pos,
-                             lengths=jax.device_put(fills, shard(REPLICATED)))
+  return parallel.ShardedKV(k=k, v=v, pos=pos, lengths=jax.device_put(fills, shard(REPLICATED)),
+                            mesh=mesh)
 
 
 def _shift_positions(kv, offset: int):

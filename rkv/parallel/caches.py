@@ -87,13 +87,10 @@ class ShardedKV:
       raise ValueError(f"{where}: batch and capacity must be >= 1, got {batch}, {capacity}")
     n_seq = 1 if ring else mesh_lib.axis_size(mesh, SEQ)
     cells = n_seq * math.ceil(capacity / n_seq)
-    kv_spec, pos_spec = (HEADS_BTHD, REPLICATED) if ring else (CELLS_BSKD, CELLS_BS)
-    put = lambda x, spec: jax.device_put(x, mesh_lib.sharding(mesh, spec))
-    shape = (batch, cells, num_kv_heads, head_dim)
-    zeros = np.zeros(shape, jnp.dtype(dtype))
-    return cls(k=put(zeros, kv_spec), v=put(zeros, kv_spec),
-               pos=put(np.full((batch, cells), -1, np.int32), pos_spec),
-               lengths=put(np.zeros((n_seq,), np.int32), REPLICATED), mesh=mesh, ring=ring)
+    specs = cls._specs_of(mesh, ring)
+    k, v, pos, lengths = _empty_program(mesh, specs, (batch, cells, num_kv_heads, head_dim),
+                                        jnp.dtype(dtype).name, n_seq)()
+    return cls(k=k, v=v, pos=pos, lengths=lengths, mesh=mesh, ring=ring)
 
   @property
   def n_slices(self) -> int:
@@ -144,6 +141,17 @@ class ShardedKV:
                          (("window", window), ("softcap", softcap), ("scale", scale),
                           ("impl", impl)))
     return fn(self, q, k, v, positions.astype(jnp.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _empty_program(mesh, specs, shape, dtype: str, n_seq: int):
+  """The empty arrays made on the devices, each in its sharding (a host array of the whole
+  cache would cross PCIe: 4 GiB a layer at 1M cells of Llama-3-8B)."""
+  out = tuple(mesh_lib.sharding(mesh, spec) for spec in (specs.k, specs.v, specs.pos,
+                                                          specs.lengths))
+  return jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                          jnp.full(shape[:2], -1, jnp.int32), jnp.zeros((n_seq,), jnp.int32)),
+                 out_shardings=out)
 
 
 @functools.lru_cache(maxsize=64)
