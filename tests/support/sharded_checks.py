@@ -30,8 +30,8 @@ PROMPT, STEPS = 8, 3          # prefill tokens, then decode steps
 CAPACITY = PROMPT + STEPS + 5  # cells of each global layer (16: a seq slice of 8 or 4)
 
 
-def _config(kv_heads: int):
-  cfg = PRESETS["tiny-llama"]
+def _config(kv_heads: int, preset: str = "tiny-llama"):
+  cfg = PRESETS[preset]
   if kv_heads != cfg.num_kv_heads:
     cfg = cfg.replace(num_heads=2 * kv_heads, num_kv_heads=kv_heads)
   return cfg
@@ -71,9 +71,10 @@ def _gate(ref, got) -> tuple[bool, str]:
   return ok, f"max|dlogit|={m.max_abs_logit:.3g} top1={m.top1_agreement:.3f} {'; '.join(why)}"
 
 
-def model_vs_one_device(seq, heads, kind, tactic="stream"):
-  """Logits of the sharded model over ``kind`` caches equal the one-device run's."""
-  cfg = _config(max(2, heads))
+def model_vs_one_device(seq, heads, kind, tactic="stream", preset="tiny-llama"):
+  """Logits of the sharded model over ``kind`` caches equal the one-device run's
+  (tiny-mistral: every layer a sliding window of 8, so its caches are head-sharded rings)."""
+  cfg = _config(max(2, heads), preset)
   model = models.Transformer(cfg, rngs=nnx.Rngs(0), impl="xla")
   tokens = _tokens(cfg, PROMPT + STEPS)
   mesh = parallel.make_mesh(seq=seq, heads=heads)
@@ -88,6 +89,9 @@ def model_vs_one_device(seq, heads, kind, tactic="stream"):
                                      cpu_fraction=0.5 if tactic == "hybrid" else None)
   got, caches = _sharded(sm, caches, tokens, chunk)
   ok, detail = _gate(ref, got)
+  rings = [w is not None and w < CAPACITY for w in cfg.layer_windows]
+  if kind == "resident" and [c.ring for c in caches] != rings:
+    ok, detail = False, f"{detail}; rings {[c.ring for c in caches]}, expected {rings}"
   if kind == "rolling":  # each device's tail lives in its own pinned_host memory
     for s, row in enumerate(caches[0].parts):
       for h, part in enumerate(row):
@@ -331,6 +335,7 @@ def checks(n: int) -> dict:
         "model_collectives_heads2": lambda: model_collectives(2),
         "resident_heads2": lambda: model_vs_one_device(1, 2, "resident"),
         "resident_seq2": lambda: model_vs_one_device(2, 1, "resident"),
+        "ring_heads2": lambda: model_vs_one_device(1, 2, "resident", preset="tiny-mistral"),
         "rolling_stream_heads2": lambda: model_vs_one_device(1, 2, "rolling", "stream"),
         "rolling_cpu_seq2": lambda: model_vs_one_device(2, 1, "rolling", "cpu"),
         "planner_heads2": lambda: planner_end_to_end(1, 2),
@@ -346,6 +351,7 @@ def checks(n: int) -> dict:
         "resident_heads4": lambda: model_vs_one_device(1, 4, "resident"),
         "resident_seq4": lambda: model_vs_one_device(4, 1, "resident"),
         "resident_seq2_heads2": lambda: model_vs_one_device(2, 2, "resident"),
+        "ring_seq2_heads2": lambda: model_vs_one_device(2, 2, "resident", preset="tiny-mistral"),
         "rolling_hybrid_seq2_heads2": lambda: model_vs_one_device(2, 2, "rolling", "hybrid"),
         "planner_seq2_heads2": lambda: planner_end_to_end(2, 2),
     }
