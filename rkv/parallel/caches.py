@@ -68,8 +68,8 @@ class ShardedKV:
   v: jax.Array
   pos: jax.Array
   lengths: jax.Array
-  mesh: object = dataclasses.field(metadata=dict(static=True))
-  ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  mesh: object  # static (register_dataclass below): the jax.sharding.Mesh
+  ring: bool = False
 
   tactic: ClassVar[str] = "resident"
   cpu_fraction: ClassVar[None] = None
