@@ -1,12 +1,17 @@
 """Several devices (issue 16): Llama-3-8B-shape decode over a mesh vs one device, against the
 bound; the aggregate tail rate; resident decode scaling (lab/sharded_bench.py). JSON out.
 
-Example (2 x H200; 1M tokens fits the two HBMs with the heads split, one GPU needs a host tail;
-2M needs tails on both: 128 GiB of KV each; the pinned pool must hold the tails of both, so set
-XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB before JAX starts):
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200 .venv/bin/python -m experiments.sharded_bench \
-      --devices=2 --contexts=1048576,2097152 --layouts=1x1,1xN --resident_context=524288 \
-      --out=benchmarks/results/sharded_bench_h200x2.json
+Example (2 x H200), two runs:
+  # 1M tokens: the heads split fits the two HBMs (64 GiB of KV each); one GPU keeps a host tail
+  # (the planner's dry run with 15 GiB of weights: 7.9 GiB, hybrid). Plus resident scaling at
+  # 512K and the tail rate of one link vs both.
+  .venv/bin/python -m experiments.sharded_bench --devices=2 --contexts=1048576 \
+      --layouts=1x1,1xN --resident_context=524288 --out=benchmarks/results/sharded/h200x2_1m.json
+  # 2M tokens: 128 GiB of KV a GPU, each with its own tail (dry run: 1.2 GiB a GPU, stream; the
+  # limit covers both GPUs' tails in one process's pool with room for a larger --reserve_mib)
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96 .venv/bin/python -m experiments.sharded_bench \
+      --devices=2 --contexts=2097152 --layouts=1xN --resident_context=0 \
+      --out=benchmarks/results/sharded/h200x2_2m.json
 
 CPU smoke run (2 host devices, tiny model, explicit per-device budget: CPU has no memory stats):
   XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python -m experiments.sharded_bench \
