@@ -82,7 +82,11 @@ _GIB = 1 << 30
 # Shardings and placement (outside jit)
 # ----------------------------------------------------------------------------------------------
 def default_device() -> jax.Device:
-  return jax.devices()[0]
+  # JAX's default device where one is set (``with jax.default_device(d)``: rkv.parallel builds
+  # and attends each device's rolling cache that way, so its tail lands in *that* device's
+  # pinned_host memory and its tiles stream back to it), else the first device.
+  dev = jax.config.jax_default_device
+  return dev if isinstance(dev, jax.Device) else jax.devices()[0]
 
 
 def sharding(memory_kind: str, device: jax.Device | None = None) -> SingleDeviceSharding:

@@ -20,6 +20,7 @@ Modules, each with its public surface (nothing outside imports a private name):
 - :mod:`.budget`: the derived device reserve, the KV budget, the device-fit check
 - :mod:`.config`: :class:`ResidencyConfig` and the modes
 - :mod:`.placement`: :func:`plan`, :class:`Plan`, :class:`LayerPlan`
+- :mod:`.sharded`: :func:`plan_sharded`, :class:`ShardedPlan` (one plan per device of a mesh)
 
 Glossary: B batch · K kv heads · D head dim · W window cells · P tail cells · L layers.
 """
@@ -46,6 +47,7 @@ from rkv.planner.budget import (DEFAULT_PREFETCH_TILES, DEFAULT_CHUNK_TOKENS, DE
 from rkv.planner.config import (DEFAULT_TILE_CELLS, MODES, MODE_TACTIC, ResidencyConfig)
 from rkv.planner.placement import (CPU_KERNEL_TACTICS, LayerPlan, Plan, available_tactics, plan)
 from rkv.planner.pool import pool_occupancy, pool_windows
+from rkv.planner.sharded import ShardedPlan, device_share, plan_sharded
 
 __all__ = [
     "pool_occupancy",
@@ -128,4 +130,7 @@ __all__ = [
     "available_tactics",
     "Plan",
     "plan",
+    "ShardedPlan",
+    "device_share",
+    "plan_sharded",
 ]

@@ -142,7 +142,9 @@ class Plan:
   def tactics(self) -> tuple[str, ...]:
     return tuple(lp.tactic for lp in self.layers)
 
-  def table(self) -> str:
+  def table_rows(self) -> tuple[list[str], list[list[str]], list[str]]:
+    """``(columns, rows, totals)`` of :meth:`table`, as strings (``rkv.planner.plan_sharded``
+    prints them per device)."""
     us = lambda t: "-" if t is None else f"{t * 1e6:.1f}"
     mib = lambda b: f"{b / MIB:.1f}"
     cols = ["layer", "kind", "tactic", "W", "P", "tile", "heads", "device_MiB", "host_MiB"]
@@ -163,6 +165,12 @@ class Plan:
     total = ["total", f"{len(self.layers)}", ",".join(f"{k}:{v}" for k, v in counts.items()),
              "", "", "", "", mib(self.device_bytes), mib(self.host_bytes)]
     total += [""] * len(TACTICS) + [""]
+    return cols, rows, total
+
+  def table(self) -> str:
+    us = lambda t: "-" if t is None else f"{t * 1e6:.1f}"
+    mib = lambda b: f"{b / MIB:.1f}"
+    cols, rows, total = self.table_rows()
     widths = [max(len(c), *(len(r[i]) for r in rows + [total])) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))
     s = self.shape
