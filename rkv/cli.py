@@ -277,14 +277,14 @@ _COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plan": cmd_plan,
              "calibrate": cmd_calibrate}
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+def one_line_warning(message, category, filename, lineno, file=None, line=None):
   """Warnings as one line naming rkv, not a source location and a code line."""
   return f"rkv: {category.__name__}: {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
   import warnings
-  warnings.formatwarning = _one_line_warning
+  warnings.formatwarning = one_line_warning
   args = _parser().parse_args(argv)
   quiet = getattr(args, "quiet", False)
   log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

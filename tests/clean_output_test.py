@@ -77,7 +77,7 @@ def test_cli_help_names_the_stream_mode_not_its_deprecated_alias(capsys):
 
 
 def test_cli_warnings_are_one_line():
-  line = cli._one_line_warning("plan: the profile was measured elsewhere", UserWarning, "x.py", 3)
+  line = cli.one_line_warning("plan: the profile was measured elsewhere", UserWarning, "x.py", 3)
   assert line == "rkv: UserWarning: plan: the profile was measured elsewhere\n"
 
 
