@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-recall test bench
+.PHONY: setup demo demo-recall test bench notebook
 setup:
 	@bash scripts/setup.sh
 
@@ -16,3 +16,8 @@ demo-recall: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+
+# Re-executes notebooks/tour.ipynb in place (outputs and plots), with the notebook extra.
+notebook: setup
+	$(PY) -m pip install -q -e ".[notebook]"
+	$(PY) scripts/execute_notebook.py notebooks/tour.ipynb

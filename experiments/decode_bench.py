@@ -41,7 +41,7 @@ CPU smoke runs:
   two batch rows; --budget=auto needs a backend with memory stats, not CPU's)
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from lab import decode_bench
 from rkv import benchmarking
@@ -67,8 +67,10 @@ _BUDGET = flags.DEFINE_enum("budget", "fraction", list(decode_bench.BUDGETS),
                             "rkv_offload's device budget: fraction: (1 - offload_fraction) of the "
                             "KV; auto: all free device memory after the weights minus the "
                             "planner's reserve (vram_target_mib=0).")
-_RESERVE = flags.DEFINE_float("reserve_mib", None, "The planner's reserve under --budget=auto "
-                              "(default: derived by the planner, rkv.planner.derive_reserve).")
+_RESERVE = flags.DEFINE_float("reserve_gib", None, "The planner's reserve under --budget=auto, "
+                              "in GiB (default: derived by the planner, "
+                              "rkv.planner.derive_reserve).")
+_RESERVE_MIB = flags.DEFINE_float("reserve_mib", None, "Deprecated: --reserve_gib in MiB.")
 _MODE = flags.DEFINE_enum("offload_mode", "auto", list(decode_bench.OFFLOAD_MODES),
                           "Planner mode of rkv_offload (force: force_stream).")
 _TILE = flags.DEFINE_integer("tile_cells", 32768, "Largest host-tail tile (cells).", lower_bound=1)
@@ -90,6 +92,13 @@ _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
                             "PNG output ('' = none).")
 
 
+def _reserve_mib() -> float | None:
+  if _RESERVE_MIB.value is not None:
+    logging.warning("--reserve_mib is deprecated: use --reserve_gib=%g", _RESERVE_MIB.value / 1024)
+    return _RESERVE_MIB.value
+  return None if _RESERVE.value is None else 1024 * _RESERVE.value
+
+
 def main(argv):
   del argv
   # Output paths first: an unwritable one used to fail only after the whole run.
@@ -98,7 +107,7 @@ def main(argv):
   cfg = decode_bench.BenchConfig(
       preset=_PRESET.value, contexts=tuple(int(x) for x in _CONTEXTS.value),
       configs=tuple(_CONFIGS.value), batch=_BATCH.value, dtype=_DTYPE.value,
-      kv_dtype=_KV_DTYPE.value, budget=_BUDGET.value, reserve_mib=_RESERVE.value,
+      kv_dtype=_KV_DTYPE.value, budget=_BUDGET.value, reserve_mib=_reserve_mib(),
       fill_log_every=_FILL_LOG.value, warmup=_WARMUP.value, steps=_STEPS.value,
       offload_warmup=_OFF_WARMUP.value,
       offload_steps=_OFF_STEPS.value, offload_fraction=_FRACTION.value,

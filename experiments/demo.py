@@ -10,11 +10,12 @@ resident, or the logit gate fails.
 """
 
 import json
+import warnings
 
 from absl import app, flags
 
 from lab import demo
-from rkv import tactics
+from rkv import cli, tactics
 from rkv import benchmarking
 
 _CONTEXT = flags.DEFINE_integer("context", 8192, "Prompt tokens.", lower_bound=1)
@@ -36,6 +37,8 @@ _OUT = flags.DEFINE_string("out", None, "Also write the figures as JSON here.")
 
 def main(argv):
   del argv
+  # Warnings (e.g. the H200 profile planning a CPU run) on one line, not with a source line.
+  warnings.formatwarning = cli.one_line_warning
   # Output paths first: an unwritable one used to fail only after the whole run.
   benchmarking.check_output_path(_OUT.value)
   cfg = demo.DemoConfig(context=_CONTEXT.value, depth=_DEPTH.value,

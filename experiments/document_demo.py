@@ -11,11 +11,12 @@ string, differs from resident, or the logit gate fails.
 """
 
 import json
+import warnings
 
 from absl import app, flags
 
 from lab import document_demo
-from rkv import tactics
+from rkv import cli, tactics
 
 _D = document_demo.DocumentDemoConfig()
 _DOCUMENT = flags.DEFINE_string("document", None, "Text file (default: this Python's LICENSE.txt, "
@@ -38,6 +39,8 @@ _OUT = flags.DEFINE_string("out", None, "Also write the figures as JSON here.")
 
 def main(argv):
   del argv
+  # Warnings (e.g. the H200 profile planning a CPU run) on one line, not with a source line.
+  warnings.formatwarning = cli.one_line_warning
   cfg = document_demo.DocumentDemoConfig(
       document=_DOCUMENT.value, question=_QUESTION.value, expected=tuple(_EXPECTED.value),
       device_share=_SHARE.value, mode=_MODE.value, profile_path=_PROFILE.value,

@@ -9,12 +9,13 @@ attends --cpu_fraction of the tail's tiles on the CPU, head keeps --resident_hea
 A random-weight preset, the planner placing the tail under a tiny budget (bfloat16 gate):
   .venv/bin/python -m experiments.equiv_gate --checkpoint= --preset=tiny-gemma3 \
       --dtype=bfloat16 --seq_len=300 --prefill_len=290 --batch=1 --window_cells=-1 \
-      --tile_cells=-1 --vram_target_mib=0.03 --tactics=stream,cpu,hybrid
+      --tile_cells=-1 --device_gib=0.00003 --tactics=stream,cpu,hybrid
       # stream plans W=0, tile 128: 2 host tiles + 44 staged
 """
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from rkv import gates
 from rkv import benchmarking
@@ -30,8 +31,10 @@ _PREFILL = flags.DEFINE_integer("prefill_len", 18, "Prefilled tokens; the rest a
 _BATCH = flags.DEFINE_integer("batch", 2, "Rows (without a reference.npz).", lower_bound=1)
 _W = flags.DEFINE_integer("window_cells", 5, "Forced window W (-1: let the planner place it).")
 _TILE = flags.DEFINE_integer("tile_cells", 4, "Forced tail tile (-1: the planner's).")
-_VRAM = flags.DEFINE_float("vram_target_mib", 0.0,
-                           "KV budget for the planner when W/tile are not forced.")
+_DEVICE_GIB = flags.DEFINE_float("device_gib", 0.0, "KV budget for the planner when W/tile are "
+                                 "not forced, in GiB (0: all free device memory).")
+# The budget flag's MiB spelling, before budget flags were in GiB (rkv CLI: --device_gib).
+_VRAM = flags.DEFINE_float("vram_target_mib", None, "Deprecated: --device_gib in MiB.")
 _TACTICS = flags.DEFINE_list("tactics", list(gates.GATE_TACTICS),
                              "Tail tactics gated against the resident path, comma-separated.")
 _CPU_FRACTION = flags.DEFINE_float("cpu_fraction", 0.5,
@@ -44,6 +47,13 @@ _IMPL = flags.DEFINE_string("impl", "xla", "Attention backend (rkv.attention imp
 _OUT = flags.DEFINE_string("out", None, "Write the report JSON here.")
 
 
+def _budget_mib() -> float:
+  if _VRAM.value is None:
+    return 1024 * _DEVICE_GIB.value
+  logging.warning("--vram_target_mib is deprecated: use --device_gib=%g", _VRAM.value / 1024)
+  return _VRAM.value
+
+
 def main(argv):
   del argv
   # Output paths first: an unwritable one used to fail only after the whole run.
@@ -53,7 +63,7 @@ def main(argv):
       seq_len=_SEQ_LEN.value, prefill_len=_PREFILL.value, batch=_BATCH.value,
       window_cells=None if _W.value < 0 else _W.value,
       tile_cells=None if _TILE.value < 0 else _TILE.value,
-      vram_target_mib=_VRAM.value, tactics=_TACTICS.value, cpu_fraction=_CPU_FRACTION.value,
+      vram_target_mib=_budget_mib(), tactics=_TACTICS.value, cpu_fraction=_CPU_FRACTION.value,
       resident_heads=None if _RESIDENT_HEADS.value < 0 else _RESIDENT_HEADS.value,
       seed=_SEED.value, impl=_IMPL.value, out=_OUT.value)
   return 0 if report.passed else 1

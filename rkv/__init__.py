@@ -11,7 +11,9 @@ Device memory: importing rkv sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.98`` (JAX's
 ``rkv.offload.memory.device_memory()`` says which happened. Opt out by setting the variable
 yourself before importing rkv, e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=.75``. It also adds
 ``--xla_gpu_enable_command_buffer=`` to ``XLA_FLAGS`` (XLA's CUDA graphs off: resident decode ran
-1.31x faster without them on the H200) unless ``XLA_FLAGS`` already sets that flag.
+1.31x faster without them on the H200) unless ``XLA_FLAGS`` already sets that flag. JAX's INFO lines for the platforms it probes and
+does not find ("Unable to initialize backend 'tpu'") are dropped (``RKV_SHOW_BACKEND_PROBE=1``
+keeps them).
 """
 
 # Before anything imports jax: XLA's GPU client reads the fraction once, when it starts.
@@ -19,6 +21,7 @@ from rkv import _env
 
 _env.set_default_mem_fraction()
 _env.add_default_xla_flags()  # XLA's command buffers off: faster decode on the H200 (rkv/_env.py)
+_env.quiet_backend_probe()  # no "Unable to initialize backend 'tpu'" line in INFO logs
 
 from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials
 from rkv import cache, offload
@@ -30,9 +33,9 @@ from rkv import models  # after cache/rolling: the models' caches build on them
 from rkv import gates, generate
 from rkv import pool, serving  # issue 14: many sequences in one KV pool per layer
 from rkv.planner import AttentionShape, Plan, Profile, ResidencyConfig, plan
-from rkv.text import TextGeneration, generate_text
+from rkv.text import ChatSession, TextGeneration, generate_text
 
-__all__ = ["AttentionShape", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV", "TextGeneration",
+__all__ = ["AttentionShape", "ChatSession", "HeadSplitKV", "KVBlock", "Plan", "Profile", "ResidencyConfig", "RollingKV", "TextGeneration",
            "attention", "attention_reference", "attention_xla", "cache", "gates", "generate", "generate_text", "merge", "merge_partials",
            "models", "offload", "plan", "pool", "residency", "rolling_attention", "serving"]
 __version__ = "0.1.0"

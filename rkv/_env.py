@@ -1,4 +1,4 @@
-"""Environment that must be set before JAX starts: imports only ``os`` and ``sys``.
+"""Environment that must be set before JAX starts: imports only ``os``, ``sys`` and ``logging``.
 
 ``rkv/__init__.py`` calls :func:`set_default_mem_fraction` before anything imports jax, because
 XLA's GPU client reads ``XLA_PYTHON_CLIENT_MEM_FRACTION`` once, when the backend is created
@@ -9,6 +9,7 @@ what happened (:func:`rkv.offload.memory.device_memory`, ``check_memory_fraction
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -99,3 +100,33 @@ def add_default_xla_flags(environ=None, modules=None, flags=COMMAND_BUFFER_FLAGS
   if extra:
     environ[XLA_FLAGS_ENV] = " ".join([current.strip()] + extra if current.strip() else extra)
   return bool(extra)
+
+
+# JAX probes every platform it knows when its backends start and logs, at INFO, each one that
+# "fails quietly" (jax._src.xla_bridge: "Unable to initialize backend 'tpu': ... libtpu.so ..."
+# on every machine without a TPU). A script that shows INFO logs (every absl app: its default
+# verbosity is INFO; `make demo`, the experiments) printed that line before any of its own. The
+# filter drops only those probe records; a backend that fails loudly still raises, and JAX's
+# warnings ("An NVIDIA GPU may be present ...", a plugin error) still print.
+BACKEND_PROBE_LOGGER = "jax._src.xla_bridge"
+BACKEND_PROBE_PREFIX = "Unable to initialize backend"
+SHOW_BACKEND_PROBE_ENV = "RKV_SHOW_BACKEND_PROBE"
+
+
+class _DropBackendProbe(logging.Filter):
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno < logging.WARNING
+                and str(record.msg).startswith(BACKEND_PROBE_PREFIX))
+
+
+def quiet_backend_probe(environ=None) -> bool:
+  """Installs the filter above on JAX's backend logger (once) unless ``$RKV_SHOW_BACKEND_PROBE``
+  is set to a non-empty value other than 0. Returns whether the filter is installed."""
+  environ = os.environ if environ is None else environ
+  logger = logging.getLogger(BACKEND_PROBE_LOGGER)
+  if environ.get(SHOW_BACKEND_PROBE_ENV, "").strip() not in ("", "0"):
+    return False
+  if not any(isinstance(f, _DropBackendProbe) for f in logger.filters):
+    logger.addFilter(_DropBackendProbe())
+  return True

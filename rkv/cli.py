@@ -19,7 +19,9 @@ import sys
 
 # rkv.tactics.MODES and "window", the stream mode's deprecated name (a literal: the CLI imports
 # rkv, and with it JAX, only once a command runs, so --help stays fast; a test compares them).
+# --help lists the modes without the deprecated one (_MODE_METAVAR).
 _MODES = ("auto", "resident", "stream", "cpu", "hybrid", "head", "window")
+_MODE_METAVAR = "{" + ",".join(m for m in _MODES if m != "window") + "}"
 # Prompts at least this long get a tqdm bar over their prefill chunks.
 _PREFILL_BAR_TOKENS = 2048
 
@@ -46,16 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device_gib", type=float, metavar="GiB",
                    help="device memory the KV cache may use; what does not fit goes to the host "
                         "tail (0: all free device memory)")
-    g.add_argument("--mode", choices=_MODES, default=None,
+    g.add_argument("--mode", choices=_MODES, default=None, metavar=_MODE_METAVAR,
                    help="tactic for overflowing layers: auto (the planner picks per layer), "
-                        "resident (refuse to offload), window (stream the tail to the device), "
-                        "cpu (attend to the tail on the host), hybrid (both), head (some KV heads "
-                        "stay whole on the device)")
+                        "resident (refuse to offload), stream (stream the tail to the device; "
+                        "'window' is its deprecated name), cpu (attend to the tail on the host), "
+                        "hybrid (both), head (some KV heads stay whole on the device)")
     g.add_argument("--tile_cells", type=int, default=1024,
                    help="largest host-tail tile in KV cells, a multiple of 128 (default 1024)")
     g.add_argument("--profile", metavar="JSON",
                    help="machine figures for the planner (default: ~/.cache/rkv/profile.json if "
                         "present, else the H200's; `rkv calibrate` writes one)")
+    g.add_argument("--show_plan", action="store_true",
+                   help="print the plan's per-layer table (default: its one-line summary)")
 
   def sampling_flags(q):
     g = q.add_argument_group("sampling")
@@ -83,9 +87,15 @@ def _parser() -> argparse.ArgumentParser:
 
   q = sub.add_parser("chat", help="a conversation on the terminal",
                      description="Reads user turns from stdin (an empty line or EOF ends); each "
-                                 "reply is generated over the whole conversation so far.")
+                                 "reply is generated over the whole conversation so far. The "
+                                 "conversation's KV stays in the caches between turns, so a "
+                                 "turn prefills only its own tokens; each reply is followed by "
+                                 "its time to first token (TTFT) and speeds (stderr).")
   model_flags(q)
   q.add_argument("--system", help="a system message")
+  q.add_argument("--context", type=int, default=None,
+                 help="cells the conversation may fill (default: the model's context); the "
+                      "caches are built (and planned) once for this many")
   sampling_flags(q)
   residency_flags(q)
 
@@ -149,6 +159,10 @@ def _prefill_bar(n_tokens: int):
   return bar, lambda done, total: bar.update(done - bar.n)
 
 
+def _show_plan(plan, args, log):
+  log(plan.table() if args.show_plan else plan.summary())
+
+
 def _reply(model, tok, prompt, args, log, *, stream):
   import rkv
   from rkv.text import prompt_ids
@@ -157,7 +171,7 @@ def _reply(model, tok, prompt, args, log, *, stream):
   residency = _residency(args)
   if residency is not None:
     plan = rkv.plan(model.config, n + args.max_new_tokens, 1, residency=residency)
-    log(plan.table())
+    _show_plan(plan, args, log)
     residency = plan
   try:
     return rkv.generate_text(model, tok, prompt, residency=residency, progress=progress,
@@ -195,8 +209,15 @@ def cmd_generate(args, log) -> int:
 
 
 def cmd_chat(args, log) -> int:
+  import rkv
   model, tok = _load(args, log)
-  messages = [{"role": "system", "content": args.system}] if args.system else []
+  context = args.context or model.config.max_position_embeddings
+  residency = _residency(args)
+  if residency is not None:  # planned once, for the whole conversation
+    residency = rkv.plan(model.config, context, 1, residency=residency)
+    _show_plan(residency, args, log)
+  session = rkv.ChatSession(model, tok, system=args.system, capacity=context,
+                            residency=residency)
   log("chat: type a message and press Enter; an empty line or Ctrl-D ends")
   while True:
     try:
@@ -205,12 +226,14 @@ def cmd_chat(args, log) -> int:
       break
     if not line.strip():
       break
-    messages.append({"role": "user", "content": line})
+    first = not session.ids
     _echo("rkv> ")
-    out = _reply(model, tok, messages, args, log, stream=_echo)
+    out = session.send(line, on_token=_echo, **_sampling(args))
     print()
-    log(out.summary())
-    messages.append({"role": "assistant", "content": out.text})
+    how = ("" if first else ", earlier turns' KV kept" if session.last_turn_reused else
+           ", caches rebuilt: the chat template did not extend the conversation")
+    log(f"TTFT {out.prefill_s:.2f} s ({out.prompt_tokens} new prompt tokens{how}; conversation "
+        f"{len(session.ids)} tokens); {out.summary()}")
   return 0
 
 
@@ -254,7 +277,14 @@ _COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plan": cmd_plan,
              "calibrate": cmd_calibrate}
 
 
+def one_line_warning(message, category, filename, lineno, file=None, line=None):
+  """Warnings as one line naming rkv, not a source location and a code line."""
+  return f"rkv: {category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+  import warnings
+  warnings.formatwarning = one_line_warning
   args = _parser().parse_args(argv)
   quiet = getattr(args, "quiet", False)
   log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -104,6 +104,25 @@ def check_gate(metrics: LogitMetrics, dtype) -> tuple[bool, list[str]]:
   return not reasons, reasons
 
 
+def perplexity(logits, tokens) -> tuple[float, float]:
+  """``(mean negative log-likelihood in nats, perplexity)`` of ``tokens [B,T]`` under ``logits
+  [B,T,V]`` (row ``i`` predicting token ``i + 1``, as :func:`rkv.generate.sequence_logits`
+  returns them), over the ``B * (T - 1)`` predicted tokens, in float64.
+
+  Two logit tensors within ``d = max |delta logit|`` of each other give log-probabilities within
+  ``2 d`` (a log-softmax moves by at most twice its input's largest change), so mean NLLs within
+  ``2 d``: the float32 gate's ``F32_MAX_ABS_LOGIT`` bounds the perplexity gap too."""
+  lg = np.asarray(logits, np.float64)
+  tok = np.asarray(tokens)
+  if lg.ndim != 3 or tok.shape != lg.shape[:2] or tok.shape[1] < 2:
+    raise ValueError(f"perplexity: logits must be [B,T,V] and tokens [B,T] with T >= 2, got "
+                     f"{lg.shape} and {tok.shape}")
+  lp = _log_softmax(lg[:, :-1])
+  nll = -np.take_along_axis(lp, tok[:, 1:, None].astype(np.int64), axis=-1)[..., 0]
+  mean = float(nll.mean())
+  return mean, float(np.exp(mean))
+
+
 def greedy_match(tokens_a, tokens_b) -> dict:
   """Compares two generated token arrays ``[B,N]``: ``{"equal", "agreement", "first_divergence"}``
   (``first_divergence``: per row, the first index where they differ, or None)."""

@@ -12,7 +12,8 @@
 - :func:`generate` samples: greedy (``temperature=0``), temperature, top-k, nucleus (``top_p``);
   it stops early on ``stop_tokens`` and streams each step's tokens to ``on_token``
   (:func:`rkv.text.generate_text` builds text in, text out on it).
-- :func:`decode_logits` is the teacher-forced run the logit gates compare (:mod:`rkv.gates`).
+- :func:`decode_logits` is the teacher-forced run the logit gates compare (:mod:`rkv.gates`);
+  :func:`sequence_logits` the logits at every position, chunk by chunk (perplexity).
 
 Compilation: when every cache is resident or a ring, the model runs through
 :func:`rkv.models.jit_forward`: the fill level is data, so the decode step ``[B,1]`` traces once
@@ -506,3 +507,34 @@ def decode_logits(model, tokens, caches, *, prefill_len: int, chunk: int = DEFAU
     logits, caches = step(tokens[:, i:i + 1], _positions(b, fill + i, 1), caches)
     out.append(np.asarray(logits[:, -1]))
   return np.stack(out, axis=1)
+
+
+def sequence_logits(model, tokens, caches, *, chunk: int = 16) -> np.ndarray:
+  """The logits at every position of ``tokens [B,T]`` fed in chunks of ``chunk`` through
+  ``caches`` (donated), ``[B, T, V]`` float32: row ``i`` predicts ``tokens[:, i + 1]``, so
+  :func:`rkv.gates.perplexity` of them scores the text.
+
+  The default chunk is the decode kernel's query limit (``rkv.attention.MAX_DECODE_QUERIES``):
+  a ``cpu`` / ``hybrid`` layer attends chunks that short with the host kernel, longer ones stream
+  their tail (``RollingKV.attend``), so the default scores the text through each tactic's own
+  decode path."""
+  where = "sequence_logits"
+  tokens = _check_tokens(where, "tokens", tokens, model.config.vocab_size)
+  caches = _check_caches(where, model, caches)
+  _check_chunk(where, chunk)
+  b, t = tokens.shape
+  room, fill = _cache_room(caches)
+  if room is not None and t > room:
+    raise ValueError(f"{where}: caches have room for {room} more cells, tokens has {t}: build "
+                     f"caches with capacity >= {fill + t}")
+  if _all_jittable(caches):
+    fn = jit_forward(model, last_only=False)
+  else:
+    fn = layered_forward(model, last_only=False)
+  out = []
+  for lo in range(0, t, chunk):
+    hi = min(t, lo + chunk)
+    logits, caches = fn(jnp.asarray(tokens[:, lo:hi]), jnp.asarray(_positions(b, fill + lo,
+                                                                               hi - lo)), caches)
+    out.append(np.asarray(logits, np.float32))
+  return np.concatenate(out, axis=1)

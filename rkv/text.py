@@ -174,6 +174,15 @@ def generate_text(model, tokenizer, prompt, *, max_new_tokens: int = 256,
     raise ValueError(f"{where}: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} exceed "
                      f"the model's context of {cfg.max_position_embeddings} positions")
   kv, plan = _caches(model, len(ids) + max_new_tokens, caches, residency)
+  return _generate_ids(model, tokenizer, ids, kv, plan, stops=stops, on_token=on_token,
+                       max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       top_p=top_p, seed=seed, chunk=chunk, progress=progress, forward=forward)
+
+
+def _generate_ids(model, tokenizer, ids, kv, plan, *, stops, on_token, max_new_tokens,
+                  temperature, top_k, top_p, seed, chunk, progress, forward) -> TextGeneration:
+  """The reply to prompt ``ids`` through caches ``kv`` (which may already hold earlier tokens:
+  generation continues after them)."""
   streamer = _Streamer(tokenizer, stops, on_token, tokenizer.stop_ids)
   out = gen.generate(model, np.asarray([ids], np.int32), max_new_tokens=max_new_tokens,
                      caches=kv, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -186,3 +195,93 @@ def generate_text(model, tokenizer, prompt, *, max_new_tokens: int = 256,
                         prefill_s=out.prefill_s, decode_s=out.decode_s,
                         prefill_tokens_per_s=out.prefill_tokens_per_s,
                         decode_tokens_per_s=out.decode_tokens_per_s, plan=plan, generation=out)
+
+
+class ChatSession:
+  """A conversation whose KV stays in its caches between turns: each :meth:`send` prefills only
+  the new turn's tokens (the caches are append-only, so the earlier turns' cells are still
+  there), not the whole conversation again. Its figures (``prefill_s``: time to first token)
+  are then the turn's own.
+
+  The caches are built once for ``capacity`` cells (default: the model's context): resident, or
+  planned from ``residency`` (a :class:`rkv.ResidencyConfig`, planned for ``capacity``, or a
+  :class:`rkv.Plan`). :attr:`ids` are the conversation's tokens as the model saw them (the
+  template's turns and the replies' generated ids, stop tokens included); :attr:`messages` the
+  same as chat messages. A turn that no longer fits raises ``ValueError`` (start a new session
+  with a larger capacity).
+
+  A new turn's tokens are the chat template's text for the conversation with the new message,
+  past the text already fed. When that text does not extend the fed text (a reply cut at a
+  ``stop`` string: the template holds the cut reply, the caches the tokens generated past it)
+  the session starts its caches afresh and prefills the whole conversation
+  (:attr:`last_turn_reused` says which happened). ``forward``: a ``jit_forward(model,
+  last_only=True)`` to share with other sessions (resident caches only).
+  """
+
+  def __init__(self, model, tokenizer, *, system: str | None = None,
+               capacity: int | None = None, residency: ResidencyConfig | Plan | None = None,
+               chunk: int = gen.DEFAULT_CHUNK, forward=None):
+    self.model, self.tokenizer, self.chunk = model, tokenizer, chunk
+    self._shared_forward = forward
+    self.capacity = model.config.max_position_embeddings if capacity is None else int(capacity)
+    if self.capacity < 2:
+      raise ValueError(f"ChatSession: capacity must be at least 2 cells, got {capacity!r}")
+    self.residency = residency
+    self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    self.last_turn_reused = False
+    self._reset_caches()
+
+  def _reset_caches(self):
+    self.caches, self.plan = _caches(self.model, self.capacity, None, self.residency)
+    # One compile of the resident step for every turn (generate would make its own each call).
+    self._forward = None
+    if all(c.jittable for c in self.caches):
+      from rkv.models.transformer import jit_forward
+      self._forward = self._shared_forward or jit_forward(self.model, last_only=True)
+    self._fed, self._pending = [], []
+
+  @property
+  def ids(self) -> list[int]:
+    """The conversation's tokens: those in the caches, then the last reply's final token
+    (sampled, not fed yet: the next turn feeds it first)."""
+    return self._fed + self._pending
+
+  def turn_ids(self, content: str, role: str = "user") -> tuple[list[int], bool]:
+    """``(tokens the next turn prefills, whether the caches are kept)`` for a new message."""
+    text = self.tokenizer.apply_chat_template(self.messages + [{"role": role, "content": content}],
+                                              add_generation_prompt=True)
+    said = self.tokenizer.decode(self.ids, skip_special=False)
+    if self.ids and text.startswith(said):
+      return self._pending + self.tokenizer.encode(text[len(said):], add_bos=False), True
+    return self.tokenizer.encode(text, add_bos=False), False
+
+  def send(self, content: str, *, role: str = "user", max_new_tokens: int = 256,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           stop: Sequence[str] | str = (), on_token: Callable[[str], None] | None = None,
+           progress: bool | None = None) -> TextGeneration:
+    """Adds a message, generates the assistant's reply over the whole conversation and keeps
+    both. Of the result, ``prompt_tokens`` are the tokens this turn prefilled and ``prefill_s``
+    its time to first token."""
+    where = "ChatSession.send"
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+      raise ValueError(f"{where}: stop must be non-empty strings, got {stop!r}")
+    new, kept = self.turn_ids(content, role)
+    if self.ids and not kept:
+      self._reset_caches()
+    self.last_turn_reused = kept
+    room = self.capacity - len(self._fed)
+    if len(new) + max_new_tokens > room:
+      raise ValueError(f"{where}: this turn's {len(new)} tokens + max_new_tokens="
+                       f"{max_new_tokens} exceed the {room} cells left of capacity="
+                       f"{self.capacity}: start a new ChatSession with a larger capacity")
+    out = _generate_ids(self.model, self.tokenizer, new, self.caches, self.plan, stops=stops,
+                        on_token=on_token, max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        chunk=self.chunk, progress=progress, forward=self._forward)
+    self.caches = out.generation.caches
+    self.messages += [{"role": role, "content": content},
+                      {"role": "assistant", "content": out.text}]
+    self._fed += new + list(out.tokens[:-1])
+    self._pending = list(out.tokens[-1:])
+    return out

@@ -279,7 +279,7 @@ def test_plan_derives_the_reserve_from_the_model_config(caplog):
                    num_heads=4, num_kv_heads=K, head_dim=D, layer_windows=(None, None),
                    dtype="float32")
   free = 2 * GIB
-  with caplog.at_level(logging.INFO, logger="rkv.planner"):
+  with caplog.at_level(logging.DEBUG, logger="rkv.planner"):  # the reserve's line is DEBUG
     p = rz.plan(mc, CTX, 2, residency=cfg(), memory_stats=stats(free + MIB, MIB))
   r = p.reserve
   # The config's tile_cells, B=2, lookahead + 1 of them (the eager schedule; no prefetcher).

@@ -1,4 +1,5 @@
-"""Executes notebooks/tour.ipynb top to bottom (short context, Agg backend): every cell must run.
+"""Executes notebooks/tour.ipynb top to bottom (short context, Agg backend): every cell must run;
+and the committed copy is the executed one (every code cell's outputs, its plots as PNG).
 
 No Jupyter dependency: the code cells are run in order in one namespace, as a kernel would. The
 notebook's own asserts (offloaded == resident answers, every tactic identical to resident) are
@@ -35,3 +36,17 @@ def test_tour_runs(monkeypatch):
   assert len(namespace["fig"].axes) >= 2
   import matplotlib.pyplot as plt
   plt.close("all")
+
+
+def test_committed_tour_is_executed_with_its_plots():
+  nb = json.loads(TOUR.read_text())
+  code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+  # Executed in order, top to bottom, by one kernel (scripts/execute_notebook.py, `make notebook`).
+  assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1))
+  assert all(c["outputs"] for c in code), [i for i, c in enumerate(code) if not c["outputs"]]
+  errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
+  assert not errors, errors[0].get("evalue")
+  pngs = [o for c in code for o in c["outputs"] if "image/png" in o.get("data", {})]
+  assert pngs and all(len(o["data"]["image/png"]) > 10_000 for o in pngs)  # real plots, base64
+  text = "".join("".join(o.get("text", "")) for c in code for o in c["outputs"])
+  assert "identical to resident: True" in text and "identical to resident: False" not in text

@@ -316,7 +316,7 @@ def test_partial_copy_by_hand():
 ])
 def test_selector_on_synthetic_profiles(pcie, cpu_gbps, want, caplog):
   prof = dataclasses.replace(FLAT, pcie_gbps=pcie, cpu_attn_gbps=cpu_gbps)
-  with caplog.at_level(logging.INFO, logger="rkv.planner"):
+  with caplog.at_level(logging.DEBUG, logger="rkv.planner"):  # per-layer lines are DEBUG
     p = rz.plan(shape(), CTX, 1, residency=cfg(2 * 600_000, profile=prof))
   check_invariants(p)
   assert p.tactics() == (want, want)

@@ -142,6 +142,19 @@ class Plan:
   def tactics(self) -> tuple[str, ...]:
     return tuple(lp.tactic for lp in self.layers)
 
+  def summary(self) -> str:
+    """One line: the context, the tactics by count, device and host bytes, the profile."""
+    counts = {}
+    for lp in self.layers:
+      counts[lp.tactic] = counts.get(lp.tactic, 0) + 1
+    step = self.step_time_s
+    return (f"rkv plan: context_len={self.context_len} batch={self.batch} mode={self.mode}: "
+            f"{', '.join(f'{v} {k}' for k, v in counts.items())}; KV device "
+            f"{self.device_bytes / MIB:.1f} MiB of {self.budget_bytes / MIB:.1f} MiB budget, "
+            f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
+            f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
+            f"{self.profile.source or self.profile.device}")
+
   def table_rows(self) -> tuple[list[str], list[list[str]], list[str]]:
     """``(columns, rows, totals)`` of :meth:`table`, as strings (``rkv.planner.plan_sharded``
     prints them per device)."""
@@ -202,7 +215,7 @@ def check_profile_device(profile, device_kind: str | None = None) -> bool:
   if device_kind is None:
     import jax
     device_kind = getattr(jax.devices()[0], "device_kind", "") or ""
-  log.info("plan: profile %s (measured on %s)", profile.source or "<unnamed>",
+  log.debug("plan: profile %s (measured on %s)", profile.source or "<unnamed>",
            profile.device or "an unrecorded device")
   if not profile.device or not device_kind or profile.device == device_kind:
     return True
@@ -253,10 +266,11 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   reserve = None if explicit else resolve_reserve(cfg, shape, batch, model_config,
                                                   context_len=context_len)
   budget = kv_budget_bytes(cfg, memory_stats=stats, reserve=reserve)
-  budget_src = (f"vram_target_mib={format_number(cfg.vram_target_mib)}" if explicit else
+  budget_src = (f"vram_target_mib={format_number(cfg.vram_target_mib)}, "
+                f"{cfg.vram_target_mib / 1024:.3g} GiB" if explicit else
                 "vram_target_mib=0: free device memory minus the reserve")
   if reserve is not None:
-    log.info("plan: budget %s = free %s - reserve %s (%s)", format_bytes(budget), format_bytes(free),
+    log.debug("plan: budget %s = free %s - reserve %s (%s)", format_bytes(budget), format_bytes(free),
              format_bytes(reserve.total), reserve.describe())
 
   def finish(layers) -> Plan:
@@ -264,12 +278,14 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     if res is None:
       res = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
                             tile_bytes=streamed_tile_bytes(layers, sz))
-      log.info("plan: %s; reserve %s (%s)%s", budget_src, format_bytes(res.total), res.describe(),
+      log.debug("plan: %s; reserve %s (%s)%s", budget_src, format_bytes(res.total), res.describe(),
                "" if free is None else f"; device free {format_bytes(free)}")
     result = Plan(layers=tuple(layers), context_len=context_len, batch=batch, mode=cfg.mode,
                   kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape,
                   budget_source=budget_src, reserve=res, free_bytes=free)
     memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
+    # The one line a plan logs at INFO; the figures behind it are DEBUG (and in the table).
+    log.info("%s", result.summary())
     if cfg.check_free:
       if explicit and has_stats:
         check_device_fit(result, cfg, stats, resolve_reserve(cfg, shape, batch, model_config,
@@ -297,7 +313,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
 
   if need_resident <= budget:
     layers = tuple(resident_layer(i, ring.get(i, context_len)) for i in range(shape.num_layers))
-    log.info("plan: the whole cache fits (%s of %s): every layer resident",
+    log.debug("plan: the whole cache fits (%s of %s): every layer resident",
              format_bytes(need_resident), format_bytes(budget))
     return finish(layers)
   if cfg.mode == "resident":
@@ -325,7 +341,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
         f", one staging tile of {tile} cells, positions). Raise vram_target_mib to at least "
         f"{math.ceil(need / MIB)} MiB, or shorten context_len / batch, or use an int8 kv_dtype.")
 
-  log.info("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
+  log.debug("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
            "profile %s: %s", len(glob), format_bytes(budget), format_bytes(ring_bytes),
            format_bytes(per_layer), profile.source or profile.device, profile.describe())
   # With a prefetcher (layered_forward's, prefetch_tiles > 0) a layer's streamed tiles are
@@ -358,7 +374,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
                   "modeled", cfg.mode, i)
     lay = heads if tactic == "head" else win
     if cfg.mode == "auto":
-      log.info("plan: layer %d -> %s (modeled us: %s; hybrid streams %.3f of the tail; W=%d "
+      log.debug("plan: layer %d -> %s (modeled us: %s; hybrid streams %.3f of the tail; W=%d "
                "P=%d tile=%d)", i, tactic,
                ", ".join(f"{k}={'-' if v is None else f'{v * 1e6:.1f}'}" for k, v in times.items()),
                mt.hybrid_fraction or 0.0, lay.window, context_len - lay.window, lay.tile)
