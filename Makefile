@@ -13,8 +13,12 @@ demo: setup
 demo-recall: setup
 	$(PY) -m experiments.demo
 
+# Two pytest processes, split by file name (a name matching neither half would run in both, never
+# in neither): in one process, XLA's CPU compiler segfaulted after ~1240 tests of the whole suite
+# (while each file passed on its own), so no process runs the whole suite's accumulated programs.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore-glob='tests/[n-z]*'
+	$(PY) -m pytest -q tests --ignore-glob='tests/[a-m]*'
 
 
 # Re-executes notebooks/tour.ipynb in place (outputs and plots), with the notebook extra.
