@@ -31,8 +31,7 @@ from rkv import validation
 from rkv.attention import IMPLS
 from rkv.models.config import ModelConfig
 # The edge helpers are transformer.py's own (embedding, RoPE tables, logits), shared, not copied.
-from rkv.models.transformer import (Transformer, _all_rope_tables, _embed_tokens, _logits,
-                                    apply_rope)
+from rkv.models.transformer import Transformer, _edge_programs, apply_rope
 from rkv.parallel import mesh as mesh_lib
 from rkv.parallel.mesh import HEADS, HEADS_BTHD, P
 
@@ -239,24 +238,6 @@ def _layer_programs(graphdef, treedef, n: int, mesh):
   pre = jax.jit(lambda leaves, x, rope_cs: _pre(block(leaves), x, rope_cs, n, mesh))
   post = jax.jit(lambda leaves, x, o: _post(block(leaves), x, o, n))
   return pre, post
-
-
-@functools.lru_cache(maxsize=16)
-def _edge_programs(cfg: ModelConfig, graphdef, treedef):
-  """(enter, leave): embedding + RoPE tables; final norm + logits."""
-  modules = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-  @jax.jit
-  def enter(leaves, tokens, positions):
-    embed, _, _ = modules(leaves)
-    return _embed_tokens(cfg, embed, tokens), _all_rope_tables(cfg, positions)
-
-  @functools.partial(jax.jit, static_argnums=2)
-  def leave(leaves, x, last_only):
-    embed, final_norm, lm_head = modules(leaves)
-    return _logits(cfg, embed, final_norm, lm_head, x, last_only)
-
-  return enter, leave
 
 
 def forward(sharded: ShardedModel, tokens, positions=None, caches=None, *,
