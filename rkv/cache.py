@@ -855,6 +855,28 @@ file_crc32 = _file_crc
 current_umask = _umask
 
 
+def read_manifest(directory: str, fmt: str, version: int, *, where: str,
+                  what: str) -> tuple[str, dict]:
+  """``(path, manifest)`` of ``directory/manifest.json`` (a cache's or a pool's save), after
+  checking it is JSON of format ``fmt`` at ``version``; ``ValueError`` naming the file otherwise
+  (``what``: the kind of save, for the message)."""
+  path = os.path.join(directory, "manifest.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{where}: {directory!r} has no manifest.json: not {what}")
+  try:
+    with open(path) as f:
+      manifest = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{where}: {path} is not a valid JSON manifest: {e}") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+    raise ValueError(f"{where}: {path} is not an {fmt} manifest (format="
+                     f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+  if manifest.get("version") != version:
+    raise ValueError(f"{where}: {path} has format version {manifest.get('version')!r}, this rkv "
+                     f"reads version {version}")
+  return path, manifest
+
+
 def load(directory: str, window_cells: int | None = None, *, capacity: int | None = None,
          tile_cells: int | None = None, verify: bool = True) -> RollingKV:
   """Reads a cache written by :func:`save`, split at ``window_cells`` (default: the saved W).
@@ -863,20 +885,8 @@ def load(directory: str, window_cells: int | None = None, *, capacity: int | Non
   file raises ``ValueError`` naming it.
   """
   where = "load"
-  path = os.path.join(directory, "manifest.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{where}: {directory!r} has no manifest.json: not an rkv cache directory")
-  try:
-    with open(path) as f:
-      manifest = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{where}: {path} is not a valid JSON manifest: {e}") from e
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-    raise ValueError(f"{where}: {path} is not an {FORMAT} manifest (format="
-                     f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-  if manifest.get("version") != FORMAT_VERSION:
-    raise ValueError(f"{where}: {path} has format version {manifest.get('version')!r}, this rkv "
-                     f"reads version {FORMAT_VERSION}")
+  path, manifest = read_manifest(directory, FORMAT, FORMAT_VERSION, where=where,
+                                 what="an rkv cache directory")
   try:
     fill, b = int(manifest["fill"]), int(manifest["batch"])
     kh, d = int(manifest["num_kv_heads"]), int(manifest["head_dim"])

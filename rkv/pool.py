@@ -896,19 +896,8 @@ def _check_replaceable(target: str, directory: str) -> None:
 
 
 def _read_save(directory, config, verify, where):
-  path = os.path.join(directory, "manifest.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{where}: {directory!r} has no manifest.json: not an rkv pool save")
-  try:
-    with open(path) as f:
-      m = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{where}: {path} is not a valid JSON manifest: {e}") from e
-  if not isinstance(m, dict) or m.get("format") != FORMAT:
-    raise ValueError(f"{where}: {path} is not an {FORMAT} manifest")
-  if m.get("version") != FORMAT_VERSION:
-    raise ValueError(f"{where}: {path} has format version {m.get('version')!r}, this rkv reads "
-                     f"version {FORMAT_VERSION}")
+  path, m = cache_lib.read_manifest(directory, FORMAT, FORMAT_VERSION, where=where,
+                                    what="an rkv pool save")
   try:
     want = (config.num_layers, config.num_kv_heads, config.head_dim)
     got = (m["num_layers"], m["num_kv_heads"], m["head_dim"])
