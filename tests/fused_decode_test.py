@@ -159,6 +159,9 @@ def test_fused_flag_from_the_environment(monkeypatch):
   assert transformer._fused_default() is True
   monkeypatch.setenv(fused_decode.FUSED_ENV, "0")
   assert transformer._fused_default() is False
+  model, _, _ = _arch("llama")
+  with pytest.raises(ValueError, match="fused must be a bool"):
+    models.layered_forward(model, fused="yes")
   monkeypatch.setenv(fused_decode.FUSED_ENV, "maybe")
   with pytest.raises(ValueError, match="RKV_FUSED_DECODE"):
     transformer._fused_default()

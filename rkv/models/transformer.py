@@ -460,7 +460,10 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     graphdef, treedef, leaves = _split_flat(layer)
     blocks.append((_block_programs(graphdef, treedef), leaves))
     block_defs.append((graphdef, treedef))
-  fused = _fused_default() if fused is None else bool(fused)
+  if fused is not None and not isinstance(fused, bool):
+    raise ValueError(f"layered_forward: fused must be a bool or None (None: $RKV_FUSED_DECODE), "
+                     f"got {fused!r}")
+  fused = _fused_default() if fused is None else fused
   if fused:
     from rkv.models import fused_decode
   attn_kw = [layer.attn.attention_kwargs(impl) for layer in model.layers]
