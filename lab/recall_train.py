@@ -1,17 +1,7 @@
 """Training of the needle-in-a-haystack recall model (the task and its loading: rkv.recall).
 
-The task. A prompt is ``<bos>``, a *haystack* of filler words holding ``1 + num_distractors``
-key→value *pairs* (a key word followed by ``value_len`` value words), then the query ``? KEY``::
-
-    <bos> while cold Demi 117 108 over the ... the needle: Bako 151 102 ... fast ? Bako
-                                                                           -> answer: 151 102
-
-The *needle* is the pair whose key the query names; it starts at fractional ``depth`` of the
-haystack (0: right after ``<bos>``, 1: right before the query). Keys, values and filler come from
-disjoint vocabulary ranges and every pair token (key or value) occurs once in the haystack, so
-the answer is unambiguous: each answer token is the token that followed the previous token's
-only earlier occurrence. That is what an induction circuit computes (a previous-token head, then
-a head matching the current token against the previous-token features), and two layers learn it.
+The task (prompt layout, the needle, why two layers can solve it) is described in
+:mod:`rkv.recall`'s docstring.
 
 Why it length-generalizes from short training (:func:`training_batch`, :class:`TrainConfig`):
 - The match is on content, and RoPE with a large base (1e7, D=64) leaves a third of the rotary
