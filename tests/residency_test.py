@@ -193,6 +193,29 @@ def test_free_memory_budget():
     rz.kv_budget_bytes(ResidencyConfig(), memory_stats=big)
 
 
+def test_default_budget_gives_the_worst_case_tile_reserve_back_to_the_window():
+  # The first reserve counts tiles of tile_cells; at B=8 the plan streams smaller tiles, so the
+  # plan places again with the reserve its own tiles need and the windows grow.
+  from rkv.planner import cell_sizes, streamed_tile_bytes
+  ctx, b = 65536, 8
+  c = cfg(vram_target_mib=0, tile_cells=4096)
+  worst = rz.resolve_reserve(c, shape(), b, context_len=ctx)
+  for frac in (0.3, 0.9):
+    stats = dict(bytes_limit=int(worst.total + frac * 2 * b * ctx * RES_CELL), bytes_in_use=0)
+    p = rz.plan(shape(), ctx, b, residency=c, memory_stats=stats)
+    at_worst = rz.plan(shape(), ctx, b, memory_stats=stats,
+                       residency=cfg(vram_target_mib=0, tile_cells=4096,
+                                     reserve_mib=worst.total / MIB))
+    check_invariants(p)
+    own = rz.resolve_reserve(c, shape(), b, context_len=ctx,
+                             tile_bytes=streamed_tile_bytes(p.layers, cell_sizes(shape(), b)))
+    assert own.total <= p.reserve_bytes < worst.total
+    assert p.budget_bytes == stats["bytes_limit"] - p.reserve_bytes
+    assert p.device_bytes <= p.budget_bytes
+    assert all(a.window_cells > w.window_cells for a, w in zip(p.layers, at_worst.layers))
+    assert p.host_bytes < at_worst.host_bytes
+
+
 def test_host_pool_limit(monkeypatch):
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.0001")  # ~107 KB
   with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):

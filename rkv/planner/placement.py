@@ -24,6 +24,9 @@ from rkv.planner.shape import AttentionShape, attention_shape
 log = logging.getLogger("rkv.planner")
 
 CPU_KERNEL_TACTICS = tactics.HOST_KERNEL  # cpu, hybrid: they need the CPU-tail kernel
+# Placements a default-budget plan makes at most while it gives the worst-case reserve's slack
+# back to the window (plan()); two passes settle every case measured, the third is a margin.
+RESERVE_PASSES = 3
 
 
 def available_tactics(forced: str | None) -> tuple[str, ...]:
@@ -261,7 +264,8 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   has_stats = bool(stats) and "bytes_limit" in stats
   free = (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))) if has_stats else None
   # vram_target_mib=0: the budget is free memory minus the reserve, so the reserve comes first
-  # (tiles of tile_cells, the most any layer streams). An explicit target: the reserve is that
+  # (tiles of tile_cells, the most any layer streams; narrowed to the plan's own tiles below,
+  # after a first placement). An explicit target: the reserve is that
   # of the plan made (its largest streamed tile), and the plan is checked against free memory.
   reserve = None if explicit else resolve_reserve(cfg, shape, batch, model_config,
                                                   context_len=context_len)
@@ -273,7 +277,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     log.debug("plan: budget %s = free %s - reserve %s (%s)", format_bytes(budget), format_bytes(free),
              format_bytes(reserve.total), reserve.describe())
 
-  def finish(layers) -> Plan:
+  def finish(layers, budget, reserve) -> Plan:
     res = reserve
     if res is None:
       res = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
@@ -311,77 +315,104 @@ def plan(model_config, context_len: int, batch: int = 1, *,
                          "resident": resident_time(batch * cells * sz.cell, profile)},
                      sliding_window=shape.layer_windows[i])
 
-  if need_resident <= budget:
-    layers = tuple(resident_layer(i, ring.get(i, context_len)) for i in range(shape.num_layers))
-    log.debug("plan: the whole cache fits (%s of %s): every layer resident",
-             format_bytes(need_resident), format_bytes(budget))
-    return finish(layers)
-  if cfg.mode == "resident":
-    raise ValueError(f"plan: mode='resident' needs {format_bytes(need_resident)} of device memory "
-                     f"for the KV cache, but {budget_src} gives {format_bytes(budget)}: raise "
-                     f"vram_target_mib or pick an offloading mode")
+  def place(budget) -> tuple:
+    if need_resident <= budget:
+      layers = tuple(resident_layer(i, ring.get(i, context_len)) for i in range(shape.num_layers))
+      log.debug("plan: the whole cache fits (%s of %s): every layer resident",
+               format_bytes(need_resident), format_bytes(budget))
+      return layers
+    if cfg.mode == "resident":
+      raise ValueError(f"plan: mode='resident' needs {format_bytes(need_resident)} of device memory "
+                       f"for the KV cache, but {budget_src} gives {format_bytes(budget)}: raise "
+                       f"vram_target_mib or pick an offloading mode")
 
-  forced = MODE_TACTIC.get(cfg.mode)
-  per_layer = (budget - ring_bytes) // len(glob) if glob else 0
-  win = best_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
-  heads = head_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
-  usable = heads if forced == "head" else (win or heads) if forced is None else win
-  if usable is None:
-    # The smallest layout: W = min_window_cells (0 for "head"), one staging tile of
-    # min_tile_cells (or the whole context when shorter), every cell's position.
-    tile = min(cfg.min_tile_cells, floor_align(context_len)) or WINDOW_ALIGN
-    w_min = 0 if forced == "head" else cfg.min_window_cells
-    per_min = layer_layout(sz, context_len, min(w_min, context_len), min(tile, context_len)
-                      ).device_bytes
-    need = ring_bytes + len(glob) * per_min
-    raise ValueError(
-        f"plan: {budget_src} gives a KV budget of {format_bytes(budget)}, below the minimum layout "
-        f"of about {format_bytes(need)}: {len(local)} sliding-window rings "
-        f"({format_bytes(ring_bytes)}) + {len(glob)} global layers x {format_bytes(per_min)} (W={w_min}"
-        f", one staging tile of {tile} cells, positions). Raise vram_target_mib to at least "
-        f"{math.ceil(need / MIB)} MiB, or shorten context_len / batch, or use an int8 kv_dtype.")
+    forced = MODE_TACTIC.get(cfg.mode)
+    per_layer = (budget - ring_bytes) // len(glob) if glob else 0
+    win = best_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
+    heads = head_layout(sz, context_len, per_layer, cfg) if per_layer > 0 else None
+    usable = heads if forced == "head" else (win or heads) if forced is None else win
+    if usable is None:
+      # The smallest layout: W = min_window_cells (0 for "head"), one staging tile of
+      # min_tile_cells (or the whole context when shorter), every cell's position.
+      tile = min(cfg.min_tile_cells, floor_align(context_len)) or WINDOW_ALIGN
+      w_min = 0 if forced == "head" else cfg.min_window_cells
+      per_min = layer_layout(sz, context_len, min(w_min, context_len), min(tile, context_len)
+                        ).device_bytes
+      need = ring_bytes + len(glob) * per_min
+      raise ValueError(
+          f"plan: {budget_src} gives a KV budget of {format_bytes(budget)}, below the minimum layout "
+          f"of about {format_bytes(need)}: {len(local)} sliding-window rings "
+          f"({format_bytes(ring_bytes)}) + {len(glob)} global layers x {format_bytes(per_min)} (W={w_min}"
+          f", one staging tile of {tile} cells, positions). Raise vram_target_mib to at least "
+          f"{math.ceil(need / MIB)} MiB, or shorten context_len / batch, or use an int8 kv_dtype.")
 
-  log.debug("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
-           "profile %s: %s", len(glob), format_bytes(budget), format_bytes(ring_bytes),
-           format_bytes(per_layer), profile.source or profile.device, profile.describe())
-  # With a prefetcher (layered_forward's, prefetch_tiles > 0) a layer's streamed tiles are
-  # requested while the layers before it run, so the per-stream fixed cost (0.79 ms on the H200,
-  # the request and first-tile latency) is paid under other work, not once per layer: the
-  # stream and hybrid times are modeled without it. The head tactic's rolled heads stream inside
-  # their own call (no prefetch), so its time keeps it.
-  stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
-                    else profile)
-  candidates = available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
-  layers = []
-  for i in range(shape.num_layers):
-    if i in ring:
-      layers.append(resident_layer(i, ring[i]))
-      continue
-    tile_bytes = batch * win.tile * sz.cell if win is not None else None
-    if win is not None:
-      mt = modeled_times(win.device_read, win.host_read, stream_profile, partial_copy_s=copy_s,
-                         tile_bytes=tile_bytes,
-                         head_bytes=None)
-      if heads is not None:
-        mt = dataclasses.replace(mt, head=head_time(heads.device_read, heads.host_read, profile))
-    else:
-      mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
-                        head=head_time(heads.device_read, heads.host_read, profile))
-    times = mt.as_dict()
-    tactic = forced or select(times, candidates)
-    if forced in ("cpu", "hybrid") and times[forced] is None:
-      log.warning("plan: mode=%r but the profile has no cpu_attn_gbps: layer %d's time is not "
-                  "modeled", cfg.mode, i)
-    lay = heads if tactic == "head" else win
-    if cfg.mode == "auto":
-      log.debug("plan: layer %d -> %s (modeled us: %s; hybrid streams %.3f of the tail; W=%d "
-               "P=%d tile=%d)", i, tactic,
-               ", ".join(f"{k}={'-' if v is None else f'{v * 1e6:.1f}'}" for k, v in times.items()),
-               mt.hybrid_fraction or 0.0, lay.window, context_len - lay.window, lay.tile)
-    layers.append(LayerPlan(
-        layer=i, kind="global", tactic=tactic, capacity=context_len, window_cells=lay.window,
-        tail_cells=context_len - lay.window, tile_cells=lay.tile, host_cells=lay.host_cells,
-        resident_heads=lay.resident_heads if tactic == "head" else None,
-        device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, times=times,
-        cpu_fraction=cpu_share(mt.hybrid_fraction)))
-  return finish(layers)
+    log.debug("plan: %d global layers overflow; budget %s, rings %s, %s per global layer; "
+             "profile %s: %s", len(glob), format_bytes(budget), format_bytes(ring_bytes),
+             format_bytes(per_layer), profile.source or profile.device, profile.describe())
+    # With a prefetcher (layered_forward's, prefetch_tiles > 0) a layer's streamed tiles are
+    # requested while the layers before it run, so the per-stream fixed cost (0.79 ms on the H200,
+    # the request and first-tile latency) is paid under other work, not once per layer: the
+    # stream and hybrid times are modeled without it. The head tactic's rolled heads stream inside
+    # their own call (no prefetch), so its time keeps it.
+    stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
+                      else profile)
+    candidates = available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
+    layers = []
+    for i in range(shape.num_layers):
+      if i in ring:
+        layers.append(resident_layer(i, ring[i]))
+        continue
+      tile_bytes = batch * win.tile * sz.cell if win is not None else None
+      if win is not None:
+        mt = modeled_times(win.device_read, win.host_read, stream_profile, partial_copy_s=copy_s,
+                           tile_bytes=tile_bytes,
+                           head_bytes=None)
+        if heads is not None:
+          mt = dataclasses.replace(mt, head=head_time(heads.device_read, heads.host_read, profile))
+      else:
+        mt = ModeledTimes(resident=resident_time(batch * context_len * sz.cell, profile),
+                          head=head_time(heads.device_read, heads.host_read, profile))
+      times = mt.as_dict()
+      tactic = forced or select(times, candidates)
+      if forced in ("cpu", "hybrid") and times[forced] is None:
+        log.warning("plan: mode=%r but the profile has no cpu_attn_gbps: layer %d's time is not "
+                    "modeled", cfg.mode, i)
+      lay = heads if tactic == "head" else win
+      if cfg.mode == "auto":
+        log.debug("plan: layer %d -> %s (modeled us: %s; hybrid streams %.3f of the tail; W=%d "
+                 "P=%d tile=%d)", i, tactic,
+                 ", ".join(f"{k}={'-' if v is None else f'{v * 1e6:.1f}'}" for k, v in times.items()),
+                 mt.hybrid_fraction or 0.0, lay.window, context_len - lay.window, lay.tile)
+      layers.append(LayerPlan(
+          layer=i, kind="global", tactic=tactic, capacity=context_len, window_cells=lay.window,
+          tail_cells=context_len - lay.window, tile_cells=lay.tile, host_cells=lay.host_cells,
+          resident_heads=lay.resident_heads if tactic == "head" else None,
+          device_bytes=lay.device_bytes, host_bytes=lay.host_bytes, times=times,
+          cpu_fraction=cpu_share(mt.hybrid_fraction)))
+    return tuple(layers)
+
+  layers = place(budget)
+  if reserve is not None and any(lp.host_bytes for lp in layers):
+    # vram_target_mib=0: the first reserve counted tiles of tile_cells, the largest any layer may
+    # stream; the plan's own tiles are often smaller (batch rows shrink them: at B=8 x 128K the
+    # worst case held 5 GiB of the 140 for tiles of 1 GiB where the plan streams 0.4 GiB ones,
+    # and 4 GiB of window went to the host). Give the slack back to the window and place again
+    # (a plan that keeps everything on the device has no use for it, and keeps it);
+    # a placement is kept only when its own tiles fit the reserve it was budgeted with, and a
+    # placement whose tiles need more is retried with what they need (while that is smaller).
+    need = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
+                           tile_bytes=streamed_tile_bytes(layers, sz))
+    for _ in range(RESERVE_PASSES):
+      if need.total >= reserve.total:
+        break
+      trial_budget = kv_budget_bytes(cfg, memory_stats=stats, reserve=need)
+      trial = place(trial_budget)
+      trial_need = resolve_reserve(cfg, shape, batch, model_config, context_len=context_len,
+                                   tile_bytes=streamed_tile_bytes(trial, sz))
+      if trial_need.total <= need.total:
+        log.debug("plan: reserve %s -> %s (the plan's own tiles); budget %s -> %s",
+                  format_bytes(reserve.total), format_bytes(need.total), format_bytes(budget),
+                  format_bytes(trial_budget))
+        layers, reserve, budget = trial, need, trial_budget
+      need = trial_need
+  return finish(layers, budget, reserve)
