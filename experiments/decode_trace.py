@@ -39,6 +39,7 @@ _STEPS = flags.DEFINE_integer("steps", 8, "Timed, untraced steps.", lower_bound=
 _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.", lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.", lower_bound=1)
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, ["int8"], "The caches' dtype (default: the model's).")
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
 
 
@@ -65,7 +66,7 @@ def _caches(kind, mc, ctx, share, key, profile):
   cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
                        budget="auto" if kind == "beyond" else "fraction", profile_path=profile,
                        warmup=_WARMUP.value, steps=_STEPS.value + _TRACE_STEPS.value + 1,
-                       offload_warmup=_WARMUP.value,
+                       offload_warmup=_WARMUP.value, kv_dtype=_KV_DTYPE.value,
                        offload_steps=_STEPS.value + _TRACE_STEPS.value + 1)
   if kind == "resident":
     return db.build_caches(cfg, mc, ctx, key), cfg.fill(ctx), {}
@@ -81,7 +82,6 @@ def main(argv):
   import jax
   import numpy as np
   from flax import nnx
-  from rkv import benchmarking
   from lab import decode_bench as db
   from rkv.generate import Stepper
   from rkv.models import Transformer, jit_forward
@@ -94,7 +94,7 @@ def main(argv):
                 memory_stats=jax.devices()[0].memory_stats(), rows=[])
   specs = [parse_spec(spec) for spec in _CONFIGS.value]  # every spec checked before any work
   for spec, (kind, ctx, share) in zip(_CONFIGS.value, specs):
-    row = dict(config=spec, kind=kind, context=ctx, share=share)
+    row = dict(config=spec, kind=kind, context=ctx, share=share, kv_dtype=_KV_DTYPE.value)
     result["rows"].append(row)
     caches = None
     try:
