@@ -20,12 +20,15 @@ PICK = [
      [("rkv_offload", 131072, 1, "bfloat16")]),
     ("fused_ab/1m_general.json", "shipped defaults (fused projections, general layered path)",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("cmdbuf_on.json", "command buffers forced on (offloaded rows: within 0.3% of off in this run)",
-     [("rkv_offload", 524288, 1, "bfloat16"), ("rkv_offload", 2097152, 1, "int8")]),
-    ("decode_beyond_hbm_h200_run1.json",
-     "command buffers forced on, prefetcher on (8 tiles, 1 GiB), CPU tail in a worker thread",
-     [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16"),
-      ("rkv_offload", 131072, 8, "bfloat16")]),
+    ("session3/half512.json", "shipped defaults (fused projections, general layered path)",
+     [("rkv_offload", 524288, 1, "bfloat16")]),
+    ("session3/2m_int8.json", "shipped defaults (fused projections, general layered path)",
+     [("rkv_offload", 2097152, 1, "int8")]),
+    ("session3/res_32k_512k.json", "shipped defaults (fused projections)",
+     [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16")]),
+    ("session3/b8.json", "shipped defaults before the planner's reserve narrowing (5342941): the "
+     "worst-case reserve put 13.75 GiB on the host and picked the cpu tactic",
+     [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 
 
