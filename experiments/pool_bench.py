@@ -1,7 +1,8 @@
 """Issue 14's pool benchmarks (b)-(d) (lab/pool_bench.py): ragged vs padded batch, an offloaded
 pool vs its bound, a kept chat's second turn vs prefilling it again. JSON out.
 
-On the H200 (Llama-3-8B shape, random weights), one scenario a command (not yet run there):
+On the H200 (Llama-3-8B shape, random weights), one scenario a command (the runs behind
+benchmarks/results/pool_bench_h200_*.json, all in `bash benchmarks/pool_sparse_h200.sh pool`):
   XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=96 python -m experiments.pool_bench --scenarios=ragged \
       --profile=benchmarks/results/profile_h200_v3.json --out=benchmarks/results/pool_bench_h200_ragged.json
   python -m experiments.pool_bench --scenarios=offload \

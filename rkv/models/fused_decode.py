@@ -26,18 +26,18 @@ The last rolling layer's partials are closed by a program that merges them and r
 the order of the float32 LSE merge differs (window and staging first, then tiles, then the CPU
 share), so logits agree within the gates, not bit for bit.
 
-**Measured slower, so off by default** (``layered_forward(fused=True)`` or
-``RKV_FUSED_DECODE=1`` opt in). On the H200, same run, Llama-3-8B shape, random bf16 weights
-(``bash benchmarks/fused_decode_ab_h200.sh a``, ``benchmarks/results/beyond_hbm/fused_ab/``):
-128K half-offloaded 7.72 tok/s fused vs 8.44 general; 1M tokens (default budget) 6.55 vs 7.83.
-Expected: ~1 ms less host time a layer. Not yet known why it moved the other way: the run had no
-trace (the device was gone before the traced A/B ran). One suspect is fixed since but unmeasured:
-the program donated the window and the staging buffer and returned the one it did not write
-unchanged, which XLA may copy (3.9 GB a layer at 1M); now only the written block is an argument.
-A second suspect, also changed since and unmeasured: the CPU kernel ran on this thread after
-``device_i`` was dispatched, while the general path starts it in a worker first (if the dispatch
-of a program whose tiles are in flight holds the host, the link and the kernel ran in series).
-The next step is ``experiments.decode_trace`` of both paths (``RKV_FUSED_DECODE=0|1``).
+**No faster, so off by default** (``layered_forward(fused=True)`` or ``RKV_FUSED_DECODE=1`` opt
+in). On the H200, Llama-3-8B shape, random bf16 weights: the first form measured slower in one run
+(``bash benchmarks/fused_decode_ab_h200.sh a``, ``benchmarks/results/beyond_hbm/fused_ab/``: 128K
+half-offloaded 7.72 tok/s fused vs 8.44 general, 1M 6.55 vs 7.83). Two suspects were changed
+after it: the program donated the window and the staging buffer and returned the one it did not
+write (XLA may copy it: 3.9 GB a layer at 1M), now only the written block is an argument; and the
+CPU kernel ran on this thread after ``device_i`` was dispatched, now it starts in a worker first,
+as the general path's does. Traced after both (``bash benchmarks/fused_decode_ab_h200.sh c``,
+``beyond_hbm/session3/trace_half128_{fused,general}.json``): 130.86 vs 131.71 ms a step at 128K
+half, the same within the run-to-run spread. Expected ~1 ms less host time a layer; it did not
+come because the step is bound by the PCIe side of the hybrid split (the host-to-device copies
+are busy 109 of 142 ms a traced step), not by the dispatches this step removes.
 
 A layer takes the general path for a step when this one does not apply: a prefill chunk, a chunk
 that would span the window's end or fill more than the staging tile, more streamed tiles than the
