@@ -761,34 +761,15 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
 
 
 def warm_layered_programs(model, mc, cfg: BenchConfig, log=print) -> None:
-  """Compiles the layered decode step's dense programs (embedding, each block's halves around
-  attention, logits) with one step over tiny rolling caches, before any large fill.
-
-  XLA autotunes each GEMM when it compiles it, allocating scratch on the device; compiled after a
-  fill that leaves only the planner's reserve free (1M tokens on the H200), that failed with
-  RESOURCE_EXHAUSTED allocating 16 MiB (decode_beyond_hbm_h200.json, run 1). The programs are
-  cached by model structure and shapes ([B,1] tokens), so the rows' steps reuse them; only the
-  attention partials of the real window and tile shapes compile later (Pallas kernels: no
-  autotuning)."""
-  import jax
-  import jax.numpy as jnp
-  import rkv
+  """Compiles the layered decode step's dense programs before any large fill
+  (:func:`rkv.generate.warm_up`: XLA's GEMM autotuning allocates scratch as it compiles; after a
+  1M fill that failed with RESOURCE_EXHAUSTED, decode_beyond_hbm_h200.json run 1)."""
   from rkv import generate as gen
-  from rkv.models import layered_forward
-  t0 = time.perf_counter()
-  cap, b = 4 * WARM_TILE, cfg.batch
-  res = rkv.ResidencyConfig(vram_target_mib=1 << 20, kv_dtype=cfg.kv_dtype_name,
-                            check_free=False)
-  plan = gen.force_tactic(rkv.plan(mc, cap, b, residency=res), "hybrid", WARM_TILE, WARM_TILE)
-  caches = gen.caches_from_plan(mc, plan, b, cap, jnp.dtype(cfg.kv_dtype_name))
-  step = layered_forward(model, last_only=True, schedule=cfg.schedule)
-  logits, caches = step(jnp.zeros((b, 1), jnp.int32), np.zeros((b, 1), np.int32), caches)
-  jax.block_until_ready(logits)
-  del caches, step
-  log(f"rkv: layered decode programs compiled on tiny caches in {time.perf_counter() - t0:.1f} s")
+  del mc
+  s = gen.warm_up(model, batch=cfg.batch, kv_dtype=cfg.kv_dtype_name, schedule=cfg.schedule)
+  log(f"rkv: layered decode programs compiled on tiny caches in {s:.1f} s")
 
 
-WARM_TILE = 256  # cells of the warm-up caches' window and tiles (a multiple of WINDOW_ALIGN)
 
 
 def run_rkv(cfg: BenchConfig, log=print,

@@ -146,6 +146,51 @@ def caches_from_plan(config, plan: Plan, batch: int, capacity: int | None = None
   return tuple(out)
 
 
+# Cells of warm_up's tiny caches: window and tile, a multiple of the planner's WINDOW_ALIGN.
+WARM_CELLS = 256
+
+
+def warm_up(model, *, batch: int = 1, lengths=(1,), kv_dtype=None, schedule=None) -> float:
+  """Compiles the dense programs of :func:`rkv.models.layered_forward` (the embedding, each
+  block's halves around attention, the final norm and logits) for ``[batch, T]`` tokens at each
+  ``T`` of ``lengths``, on tiny rolling caches; returns the seconds it took.
+
+  Call it before a plan's caches take the device. XLA autotunes a GEMM as it compiles it and
+  allocates a copy of its operands to do so: for Llama-3-8B's logits GEMM that is 1018 MiB (the
+  [4096, 128256] weight and its redzones), more than a default-budget plan leaves free once its
+  caches exist (RESOURCE_EXHAUSTED on the H200 at 1M tokens; the reserve's workspace term covers
+  the blocks' GEMMs, 240 MiB at most there, not this one). The programs are cached by the model's
+  structure and the token shape, so the planned run reuses them; the logits program sees one
+  position whatever the chunk (``layered_forward`` slices it with ``last_only``), so the default
+  ``lengths=(1,)`` warms it for prefill and decode. A plan whose caches are all resident runs
+  :func:`rkv.models.jit_forward` instead, which this does not compile."""
+  where = "warm_up"
+  _check_count(where, "batch", batch, 1)
+  lengths = tuple(lengths)
+  if not lengths:
+    raise ValueError(f"{where}: lengths must name at least one token count")
+  for t in lengths:
+    _check_count(where, "lengths", t, 1)
+  config = model.config
+  t0 = time.perf_counter()
+  cap = max(lengths) + 4 * WARM_CELLS
+  res = planner.ResidencyConfig(vram_target_mib=1 << 20, check_free=False,
+                                **({} if kv_dtype is None else {"kv_dtype": kv_dtype}))
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the profile's device is not this one's: no matter here
+    plan = force_tactic(planner.plan(config, cap, batch, residency=res), "stream",
+                        max(lengths) + WARM_CELLS, WARM_CELLS)
+  step = layered_forward(model, last_only=True, schedule=schedule)
+  for t in lengths:
+    caches = caches_from_plan(config, plan, batch, cap,
+                              None if kv_dtype is None else jnp.dtype(kv_dtype))
+    logits, caches = step(jnp.zeros((batch, t), jnp.int32), _positions(batch, 0, t), caches)
+    jax.block_until_ready(logits)
+    del caches
+  return time.perf_counter() - t0
+
+
 def _check_count(where, name, val, lo):
   if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
     want = "a positive" if lo > 0 else "a non-negative"

@@ -141,6 +141,10 @@ def _caches(model, n_cells: int, caches, residency):
   else:
     raise ValueError(f"generate_text: residency must be a rkv.ResidencyConfig or rkv.Plan, got "
                      f"{type(residency).__name__}")
+  if any(lp.tactic != "resident" for lp in plan.layers):
+    # Before the plan's caches take the device: XLA's GEMM autotuning allocates scratch as it
+    # compiles, which a default-budget plan leaves no room for afterwards (gen.warm_up).
+    gen.warm_up(model)
   return gen.caches_from_plan(model.config, plan, 1, max(n_cells, plan.context_len)), plan
 
 

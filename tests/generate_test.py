@@ -194,6 +194,40 @@ def test_layered_forward_equals_the_model_and_traces_once():
     models.layered_forward(model, schedule="scan")
 
 
+def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
+  """rkv.generate.warm_up compiles on tiny caches what a planned run compiles later: after it, a
+  prefill chunk and decode steps over the plan's own caches add no logits program (it sees one
+  position whatever the chunk) and no decode-shaped block program."""
+  from rkv.models import transformer
+  model = models.load_hf(os.path.join(FIXTURES, "gemma2"), jnp.float32, impl="xla")
+  tokens = np.load(os.path.join(FIXTURES, "gemma2", "reference.npz"))["tokens"]
+  cfg = model.config
+  _, leave = transformer._edge_programs(
+      cfg, *transformer._split_flat((model.embed, model.final_norm, model.lm_head))[:2])
+  pre, post, _ = transformer._block_programs(*transformer._split_flat(model.layers[1])[:2])
+  jax.clear_caches()  # other tests compiled the same structure's programs
+  assert (leave._cache_size(), pre._cache_size(), post._cache_size()) == (0, 0, 0)
+  assert gen.warm_up(model, batch=2) > 0
+  sizes = (leave._cache_size(), pre._cache_size(), post._cache_size())
+  assert min(sizes) >= 1
+  plan = gen.force_stream(
+      rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20)), 5, 4)
+  caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+  fwd = models.layered_forward(model, last_only=True)
+  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
+  _, caches = fwd(tokens[:, :18], pos(0, 18), caches)
+  assert leave._cache_size() == sizes[0]           # the chunk's logits: the warmed program
+  after_chunk = (pre._cache_size(), post._cache_size())  # (the chunk's own block halves)
+  for i in range(18, 21):
+    _, caches = fwd(tokens[:, i:i + 1], pos(i, i + 1), caches)
+  assert (leave._cache_size(), pre._cache_size(), post._cache_size()) == (
+      sizes[0], *after_chunk)                        # decode: all warmed
+  for bad, match in ((dict(batch=0), "batch"), (dict(lengths=()), "lengths"),
+                     (dict(lengths=(0,)), "lengths")):
+    with pytest.raises(ValueError, match=match):
+      gen.warm_up(model, **bad)
+
+
 @pytest.mark.parametrize("tactic", ["stream", "hybrid"])
 def test_layered_forward_prefetch_equals_no_prefetch(tactic):
   """The cross-layer Prefetcher (tiles of the next layers and of the next step requested ahead)

@@ -41,6 +41,23 @@ def test_resident_and_offloaded_reply_alike(smollm2):
   assert off.tokens == res.tokens and off.text == res.text and off.finish == "eos"
 
 
+def test_an_offloaded_plan_compiles_its_dense_programs_before_its_caches(tiny, monkeypatch):
+  # gen.warm_up runs before the plan's caches exist (XLA's autotuning scratch would not fit
+  # beside a default-budget plan's caches); an all-resident plan skips it.
+  model, _ = tiny
+  order = []
+  monkeypatch.setattr(gen, "warm_up", lambda m, **kw: order.append("warm_up"))
+  real = gen.caches_from_plan
+  monkeypatch.setattr(gen, "caches_from_plan",
+                      lambda *a, **kw: order.append("caches") or real(*a, **kw))
+  text_lib._caches(model, 40, None, _forced_plan(model, 40))
+  assert order == ["warm_up", "caches"]
+  order.clear()
+  text_lib._caches(model, 40, None, rkv.ResidencyConfig(vram_target_mib=1 << 20,
+                                                        check_free=False))
+  assert order == ["caches"]
+
+
 def test_stop_string_cuts_and_holds_back(smollm2):
   _, tok = smollm2
   ids = tok.encode("The capital of France is Paris. It is")

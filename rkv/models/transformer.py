@@ -527,7 +527,10 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       x = chain.close(x)
     new_caches = tuple(new_caches)
     plan_prefetch(new_caches)  # the next step's first tiles start moving now
-    return leave(edge_leaves, x, last_only), new_caches
+    # last_only: the final norm is per position, so slicing first changes nothing but the
+    # program's input shape, [B,1,hidden] whatever the chunk: one compile of the logits GEMM
+    # (rkv.generate.warm_up compiles it before a plan's caches take the device).
+    return leave(edge_leaves, x[:, -1:] if last_only else x, last_only), new_caches
 
   fn.prefetcher = prefetcher
 
