@@ -156,10 +156,11 @@ def warm_up(model, *, batch: int = 1, lengths=(1,), kv_dtype=None, schedule=None
   ``T`` of ``lengths``, on tiny rolling caches; returns the seconds it took.
 
   Call it before a plan's caches take the device. XLA autotunes a GEMM as it compiles it and
-  allocates a copy of its operands to do so: for Llama-3-8B's logits GEMM that is 1018 MiB (the
-  [4096, 128256] weight and its redzones), more than a default-budget plan leaves free once its
-  caches exist (RESOURCE_EXHAUSTED on the H200 at 1M tokens; the reserve's workspace term covers
-  the blocks' GEMMs, 240 MiB at most there, not this one). The programs are cached by the model's
+  allocates scratch to do so: on the H200 at 1M tokens, compiling the logits program after the
+  fill failed with RESOURCE_EXHAUSTED allocating 1018 MiB, the size of Llama-3-8B's [4096, 128256]
+  logits weight plus two 8 MiB redzones (so, most likely, the autotuner's copy of that operand),
+  more than a default-budget plan leaves free once its caches exist. The reserve's workspace term
+  covers the blocks' GEMMs (240 MiB at most there), not this one. The programs are cached by the model's
   structure and the token shape, so the planned run reuses them; the logits program sees one
   position whatever the chunk (``layered_forward`` slices it with ``last_only``), so the default
   ``lengths=(1,)`` warms it for prefill and decode. A plan whose caches are all resident runs
