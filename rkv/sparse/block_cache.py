@@ -580,18 +580,12 @@ class BlockCache:
     misses = flat[~hit]
     needed = np.zeros(slots, bool)
     needed[pt[flat[hit]]] = True
-    evictions = 0
-    chosen = []
-    for blk in misses:
-      s, evicted = _clock_victim(res, needed)
-      if evicted >= 0:
-        pt[evicted] = -1
-        evictions += 1
-      res.slot_block[s] = blk
-      pt[blk] = s
-      res.ref[s] = True
-      needed[s] = True
-      chosen.append(s)
+    chosen, evicted = clock_slots(res, needed, len(misses))
+    pt[evicted[evicted >= 0]] = -1
+    evictions = int((evicted >= 0).sum())
+    res.slot_block[chosen] = misses
+    pt[misses] = chosen
+    res.ref[chosen] = True
     new = self
     nbytes = 0
     if len(misses):
@@ -657,24 +651,42 @@ jax.tree_util.register_dataclass(
     meta_fields=["config", "store", "residency", "fill", "last_step", "totals"])
 
 
-def _clock_victim(res: Residency, needed: np.ndarray) -> tuple[int, int]:
-  """A slot for a missed block: a free one, else CLOCK's: the hand clears set reference bits
-  and takes the first slot with a clear bit that this step does not need. Returns ``(slot,
-  evicted flat block or -1)``; the hand moves past it."""
-  free = np.flatnonzero(res.slot_block < 0)
-  if len(free):
-    return int(free[0]), -1
+def clock_slots(res: Residency, needed: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+  """Slots for ``m`` missed blocks, taken one after another as CLOCK takes them: free slots
+  first (lowest first, the hand stays); then the hand sweeps, clearing the reference bits it
+  passes and taking the first slot with a clear bit that this step does not need. Returns
+  ``(slots [m], evicted flat blocks [m], -1 for a free slot)``; updates ``res.ref``,
+  ``res.hand`` and ``needed`` (the chosen slots become needed; their bits are the caller's).
+
+  Vectorized over the sweep (a Python loop per miss and per slot passed: 76 us for 16 misses in
+  1024 slots, 460 us for 64, on CPU; this is 30-60 us):
+  the victims of consecutive misses are the candidates (slots not needed) in hand order with a
+  clear bit; if one lap holds fewer than ``m``, that lap clears every candidate's bit and the
+  second lap takes the remaining candidates in hand order, exactly as the one-slot loop would."""
+  free = np.flatnonzero(res.slot_block < 0)[:m].astype(np.int32)
+  needed[free] = True
+  rest = m - len(free)
+  if rest == 0:
+    return free, np.full(m, -1, np.int32)
   n = len(res.slot_block)
-  for _ in range(2 * n + 1):  # one sweep clears every bit; the second finds a victim
-    s = res.hand
-    res.hand = (res.hand + 1) % n
-    if needed[s]:
-      continue
-    if res.ref[s]:
-      res.ref[s] = False
-      continue
-    return s, int(res.slot_block[s])
-  raise AssertionError("CLOCK found no victim (make_resident checks the slots suffice)")
+  order = (res.hand + np.arange(n)) % n
+  cand = order[~needed[order]]
+  if len(cand) < rest:
+    raise AssertionError("CLOCK found no victim (make_resident checks the slots suffice)")
+  clear = np.flatnonzero(~res.ref[cand])               # indices into cand, in sweep order
+  if len(clear) >= rest:                               # within one lap
+    victims = cand[clear[:rest]]
+    res.ref[cand[:clear[rest - 1]]] = False
+  else:                                                # a full lap, then the second lap's
+    taken = np.zeros(len(cand), bool)
+    taken[clear] = True
+    victims = np.concatenate([cand[clear], cand[~taken][:rest - len(clear)]])
+    res.ref[cand] = False
+  res.hand = int(victims[-1] + 1) % n
+  needed[victims] = True
+  evicted = res.slot_block[victims].astype(np.int32)
+  return (np.concatenate([free, victims]).astype(np.int32),
+          np.concatenate([np.full(len(free), -1, np.int32), evicted]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
