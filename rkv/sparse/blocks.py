@@ -87,9 +87,23 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
     raise ValueError(f"{where}: q_pos [B,T] is required (block positions are not arange)")
   _check(tuple(q_pos.shape) == (b, t), f"{where}: q_pos must be [B,T]=[{b},{t}], got "
          f"{tuple(q_pos.shape)}")
-  qf, flat_rows, k_pos, qpf = _per_head_sequences(q, jnp.asarray(blocks, jnp.int32),
-                                                   jnp.asarray(pos, jnp.int32),
-                                                   jnp.asarray(q_pos, jnp.int32), r=r,
+  return _block_attention(q, k, v, jnp.asarray(blocks, jnp.int32), jnp.asarray(pos, jnp.int32),
+                          jnp.asarray(q_pos, jnp.int32), k_scale, v_scale,
+                          block_cells=int(block_cells), causal=causal, window=window,
+                          softcap=softcap, scale=scale, impl=impl, block_sizes=block_sizes)
+
+
+# One program for the whole call: outside a jit, the pool's [R,K,D] -> [R*K,1,D] view is an
+# eager reshape, which XLA runs as a copy of the whole pool (32 MiB per pool at 16K slots, two
+# pools, every step: ~30 ms of a 40 ms CPU step); in the program it is a bitcast (attention_xla's
+# loop reads pools as 2-D so that it stays one), and the shuffles around it are not dispatches
+# of their own.
+@functools.partial(jax.jit, static_argnames=("block_cells", "causal", "window", "softcap",
+                                             "scale", "impl", "block_sizes"))
+def _block_attention(q, k, v, blocks, pos, q_pos, k_scale, v_scale, *, block_cells, causal,
+                     window, softcap, scale, impl, block_sizes):
+  r, kh, d = k.shape
+  qf, flat_rows, k_pos, qpf = _per_head_sequences(q, blocks, pos, q_pos, r=r,
                                                    block_cells=block_cells)
   scales = {}
   if k_scale is not None:
@@ -100,7 +114,6 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
   return _per_query_heads(o, lse, kh=kh)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "block_cells"))
 def _per_head_sequences(q, blocks, pos, q_pos, *, r, block_cells):
   """Each (sequence, KV head) as a sequence of one KV head: q ``[B*K,T,G,D]``, its pool rows
   in the ``[R*K,1,D]`` view, their positions, and the queries' positions."""
@@ -115,7 +128,6 @@ def _per_head_sequences(q, blocks, pos, q_pos, *, r, block_cells):
   return qf, flat_rows, k_pos.reshape(b * kh, n * block_cells), qpf
 
 
-@functools.partial(jax.jit, static_argnames=("kh",))
 def _per_query_heads(o, lse, *, kh):
   bk, t, g, d = o.shape
   b = bk // kh
