@@ -529,6 +529,11 @@ class BlockCache:
     """The ``[B,K,N]`` block ids the config's (or the given) selector picks for ``q``."""
     sel = _blocks.selector(self.config.selector if selector is None else selector)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if isinstance(sel, _blocks.QuestSelector):
+      return _blocks.quest_select_blocks(
+          q, _blocks.BlockSummaries(self.k_min, self.k_max), scale=scale,
+          n_select=self.config.select_blocks, filled_blocks=self.filled_blocks,
+          window_blocks=self.config.window_blocks, sink_blocks=self.config.sink_blocks)
     view = self.view(with_keys=sel.name == "oracle")
     scores = sel.scores(q, view, q_pos=jnp.asarray(positions, jnp.int32), scale=scale,
                         softcap=softcap)

@@ -290,21 +290,56 @@ def select_blocks(scores, *, n_select: int, filled_blocks: int, window_blocks: i
   and the best-scored others, in ascending order (-1 first; the order the attention reads them
   in, the same in every path). ``scores [B,K,NB]``; blocks at or past ``filled_blocks`` hold no
   cell and are never chosen."""
-  b, kh, nb = scores.shape
+  n = _checked_selection(scores.shape[-1], n_select, filled_blocks, window_blocks, sink_blocks)
+  return _select(scores, filled_blocks, n=n, window_blocks=window_blocks,
+                 sink_blocks=sink_blocks)
+
+
+def quest_select_blocks(q, summaries: BlockSummaries, *, scale: float, n_select: int,
+                        filled_blocks: int, window_blocks: int, sink_blocks: int = 0) -> jax.Array:
+  """``select_blocks(QuestSelector().scores(q, ...), ...)`` as one program: the same ids, one
+  dispatch per decode step instead of a handful (the block cache's hot path)."""
+  nb = summaries.k_min.shape[1]
+  n = _checked_selection(nb, n_select, filled_blocks, window_blocks, sink_blocks)
+  return _quest_select(q, summaries.k_min, summaries.k_max, scale, filled_blocks, n=n,
+                       window_blocks=window_blocks, sink_blocks=sink_blocks)
+
+
+def _checked_selection(nb, n_select, filled_blocks, window_blocks, sink_blocks) -> int:
+  """The selection's size ``N`` after select_blocks' checks."""
   _check(0 < filled_blocks <= nb, f"select_blocks: filled_blocks must be in [1, {nb}], got "
          f"{filled_blocks}")
   n = min(int(n_select), nb)
   must = must_read(nb, filled_blocks, window_blocks=window_blocks, sink_blocks=sink_blocks)
   _check(int(must.sum()) <= n, f"select_blocks: {int(must.sum())} must-read blocks (window "
          f"{window_blocks}, sinks {sink_blocks}) exceed the selection of {n}")
-  filled = np.arange(nb) < filled_blocks
-  return _select(scores, jnp.asarray(must), jnp.asarray(filled), n)
+  return n
 
 
-@functools.partial(jax.jit, static_argnames=("n",))
-def _select(scores, must, filled, n):
+def _must_and_filled(nb, filled_blocks, window_blocks, sink_blocks):
+  """:func:`must_read` and ``arange(NB) < filled_blocks`` made in the program from the traced
+  ``filled_blocks`` (no [NB] masks uploaded per step, no retrace as the fill grows)."""
+  idx = jnp.arange(nb, dtype=jnp.int32)
+  filled = idx < filled_blocks
+  window = (idx >= filled_blocks - window_blocks) & filled
+  sinks = (idx < sink_blocks) & filled
+  return window | sinks, filled
+
+
+def _top_blocks(scores, filled_blocks, *, n, window_blocks, sink_blocks):
+  must, filled = _must_and_filled(scores.shape[-1], filled_blocks, window_blocks, sink_blocks)
   s = jnp.clip(jnp.nan_to_num(scores.astype(jnp.float32), nan=-_SCORE_CLIP), -_SCORE_CLIP,
                _SCORE_CLIP)
   prio = jnp.where(must, _MUST, jnp.where(filled, s, -jnp.inf))
   top, ids = jax.lax.top_k(prio, n)
   return jnp.sort(jnp.where(top == -jnp.inf, -1, ids.astype(jnp.int32)), axis=-1)
+
+
+_select = jax.jit(_top_blocks, static_argnames=("n", "window_blocks", "sink_blocks"))
+
+
+@functools.partial(jax.jit, static_argnames=("n", "window_blocks", "sink_blocks"))
+def _quest_select(q, k_min, k_max, scale, filled_blocks, *, n, window_blocks, sink_blocks):
+  scores = _quest(_grouped(q, k_min.shape[2]), k_min, k_max, scale)
+  return _top_blocks(scores, filled_blocks, n=n, window_blocks=window_blocks,
+                     sink_blocks=sink_blocks)
