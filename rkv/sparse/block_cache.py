@@ -493,16 +493,16 @@ class BlockCache:
     rows = np.where(slot >= 0, slot * self.block_cells + off[None], self.config.slot_cells)
     rows = rows.reshape(-1).astype(np.int32)
     # Step 3: the summaries of the touched blocks, from the host copy (the whole block: its
-    # earlier cells too), moved in one transfer.
+    # earlier cells too).
     touched = np.unique(blk).astype(np.int32)
     block_keys = st.kv[:, touched, 0]                                   # [B,n,bs,K,D]
     block_scale = None if st.scale is None else st.scale[:, touched, 0]  # [B,n,bs,K]
-    block = jax.device_put((touched, block_keys, st.pos[:, touched], block_scale))
-    # Steps 2 and 3 in one program (one dispatch a layer and step).
+    # Steps 2 and 3 in one program (one dispatch a layer and step); its host arguments move with
+    # the call (jit's C++ path: cheaper than a jax.device_put of them first).
     out = _write_cells(self.k_slots, self.v_slots, self.slot_pos, self.k_scale_slots,
                        self.v_scale_slots, self.k_min, self.k_max, rows, cells[0], cells[1],
-                       dev_pos, cells[2], cells[3], *block,
-                       block_cells=self.block_cells)
+                       dev_pos, cells[2], cells[3], touched, block_keys, st.pos[:, touched],
+                       block_scale, block_cells=self.block_cells)
     return dataclasses.replace(self, **dict(zip(_WRITTEN, out)), fill=self.fill + t)
 
   def _cells_as_stored(self, k, v):
@@ -569,7 +569,7 @@ class BlockCache:
     slot_ids = np.where(ids < 0, -1, new.residency.page_table[np.arange(self.batch)[:, None, None],
                                                             np.maximum(ids, 0)])
     o, lse = _blocks.block_attention(
-        q, new.k_slots, new.v_slots, jax.device_put(slot_ids.astype(np.int32)),
+        q, new.k_slots, new.v_slots, slot_ids.astype(np.int32),
         block_cells=self.block_cells, pos=new.slot_pos, q_pos=jnp.asarray(positions, jnp.int32),
         k_scale=new.k_scale_slots, v_scale=new.v_scale_slots, causal=True, window=window,
         softcap=softcap, scale=scale, impl=impl)

@@ -87,10 +87,17 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
     raise ValueError(f"{where}: q_pos [B,T] is required (block positions are not arange)")
   _check(tuple(q_pos.shape) == (b, t), f"{where}: q_pos must be [B,T]=[{b},{t}], got "
          f"{tuple(q_pos.shape)}")
-  return _block_attention(q, k, v, jnp.asarray(blocks, jnp.int32), jnp.asarray(pos, jnp.int32),
-                          jnp.asarray(q_pos, jnp.int32), k_scale, v_scale,
+  return _block_attention(q, k, v, _int32(blocks), _int32(pos), _int32(q_pos), k_scale, v_scale,
                           block_cells=int(block_cells), causal=causal, window=window,
                           softcap=softcap, scale=scale, impl=impl, block_sizes=block_sizes)
+
+
+def _int32(x):
+  """``x`` as int32; int32 arrays (jax or numpy) as they are: the jitted call moves a numpy one
+  with its other arguments (an eager jnp.asarray is a dispatch of its own)."""
+  if isinstance(x, (jax.Array, np.ndarray)) and x.dtype == np.int32:
+    return x
+  return jnp.asarray(x, jnp.int32)
 
 
 # One program for the whole call: outside a jit, the pool's [R,K,D] -> [R*K,1,D] view is an
