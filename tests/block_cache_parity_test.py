@@ -145,6 +145,49 @@ def test_clock_gives_a_second_chance():
     cache.make_resident(np.array([[[0, 1], [2, 3]]], np.int32).reshape(1, 1, 4))
 
 
+def _clock_one_slot(res, needed):
+  """CLOCK as a loop over the slots, one missed block at a time (the rule clock_slots batches)."""
+  free = np.flatnonzero(res.slot_block < 0)
+  if len(free):
+    return int(free[0]), -1
+  n = len(res.slot_block)
+  for _ in range(2 * n + 1):
+    s = res.hand
+    res.hand = (res.hand + 1) % n
+    if needed[s]:
+      continue
+    if res.ref[s]:
+      res.ref[s] = False
+      continue
+    return s, int(res.slot_block[s])
+  raise AssertionError("no victim")
+
+
+def test_clock_slots_equals_the_one_slot_loop():
+  rng = np.random.default_rng(3)
+  for trial in range(400):
+    n = int(rng.integers(1, 40))
+    slot_block = np.where(rng.random(n) < rng.choice([0.0, 0.2, 0.6]), -1,
+                          rng.permutation(1000)[:n]).astype(np.int32)
+    res = sparse.block_cache.Residency(np.zeros((1, 1), np.int32), slot_block,
+                                       rng.random(n) < rng.random(), int(rng.integers(n)))
+    needed = rng.random(n) < rng.choice([0.0, 0.3, 0.8])
+    m = int(rng.integers(0, n - needed.sum() + 1))
+    want_res, want_needed, want = res.copy(), needed.copy(), []
+    for i in range(m):
+      s, evicted = _clock_one_slot(want_res, want_needed)
+      want_res.slot_block[s] = 2000 + i  # taken: no longer free
+      want_res.ref[s] = True
+      want_needed[s] = True
+      want.append((s, evicted))
+    got_slots, got_evicted = sparse.block_cache.clock_slots(res, needed, m)
+    res.ref[got_slots] = True
+    assert list(zip(got_slots.tolist(), got_evicted.tolist())) == want, trial
+    np.testing.assert_array_equal(res.ref, want_res.ref)
+    np.testing.assert_array_equal(needed, want_needed)
+    assert res.hand == want_res.hand, trial
+
+
 def test_attend_prefill_is_dense_and_decode_reads_the_selection():
   rng = np.random.default_rng(1)
   cfg = sparse.BlockCacheConfig(block_cells=8, device_slots=16, select_blocks=16, window_blocks=1)

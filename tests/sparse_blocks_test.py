@@ -167,6 +167,29 @@ def test_quest_score_bounds_every_key_and_finds_planted_blocks():
     assert set(ids[0, h]) == {0, nb - 1, *blks}, ids[0, h]
 
 
+def test_fused_quest_selection_equals_scores_then_select_blocks():
+  """The block cache's one-program selection picks exactly what the two public steps pick, and
+  the window, sinks and written blocks follow the fill without a recompile per fill."""
+  from rkv.sparse import blocks as blocks_mod
+  rng = np.random.default_rng(8)
+  b, nb, kh, g, d = 2, 12, 2, 3, 16
+  k, kpos = _blocky(rng, b, nb, kh, d)
+  summ = sparse.summarize(jnp.asarray(k), jnp.asarray(kpos), block_cells=BS)
+  view = sparse.SelectionView(summ, BS)
+  for filled in (1, 3, 7, nb):
+    for window, sinks in ((1, 0), (2, 1), (3, 2)):
+      q = jnp.asarray(rng.standard_normal((b, 1, kh * g, d)).astype(np.float32))
+      scores = sparse.QuestSelector().scores(q, view, q_pos=None, scale=0.25)
+      want = sparse.select_blocks(scores, n_select=5, filled_blocks=filled, window_blocks=window,
+                                  sink_blocks=sinks)
+      got = blocks_mod.quest_select_blocks(q, summ, scale=0.25, n_select=5, filled_blocks=filled,
+                                           window_blocks=window, sink_blocks=sinks)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+      must = sparse.must_read(nb, filled, window_blocks=window, sink_blocks=sinks)
+      assert all(set(np.flatnonzero(must)) <= set(np.asarray(got)[i, h].tolist())
+                 for i in range(b) for h in range(kh))
+
+
 def test_select_blocks_rule_and_errors():
   scores = jnp.asarray(np.array([[[5.0, 1.0, 9.0, 2.0, 8.0, -1.0, 0.0, 7.0]]], np.float32))
   ids = sparse.select_blocks(scores, n_select=4, filled_blocks=6, window_blocks=2, sink_blocks=0)

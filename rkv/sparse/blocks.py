@@ -87,9 +87,30 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
     raise ValueError(f"{where}: q_pos [B,T] is required (block positions are not arange)")
   _check(tuple(q_pos.shape) == (b, t), f"{where}: q_pos must be [B,T]=[{b},{t}], got "
          f"{tuple(q_pos.shape)}")
-  qf, flat_rows, k_pos, qpf = _per_head_sequences(q, jnp.asarray(blocks, jnp.int32),
-                                                   jnp.asarray(pos, jnp.int32),
-                                                   jnp.asarray(q_pos, jnp.int32), r=r,
+  return _block_attention(q, k, v, _int32(blocks), _int32(pos), _int32(q_pos), k_scale, v_scale,
+                          block_cells=int(block_cells), causal=causal, window=window,
+                          softcap=softcap, scale=scale, impl=impl, block_sizes=block_sizes)
+
+
+def _int32(x):
+  """``x`` as int32; int32 arrays (jax or numpy) as they are: the jitted call moves a numpy one
+  with its other arguments (an eager jnp.asarray is a dispatch of its own)."""
+  if isinstance(x, (jax.Array, np.ndarray)) and x.dtype == np.int32:
+    return x
+  return jnp.asarray(x, jnp.int32)
+
+
+# One program for the whole call: outside a jit, the pool's [R,K,D] -> [R*K,1,D] view is an
+# eager reshape, which XLA runs as a copy of the whole pool (32 MiB per pool at 16K slots, two
+# pools, every step: ~30 ms of a 40 ms CPU step); in the program it is a bitcast (attention_xla's
+# loop reads pools as 2-D so that it stays one), and the shuffles around it are not dispatches
+# of their own.
+@functools.partial(jax.jit, static_argnames=("block_cells", "causal", "window", "softcap",
+                                             "scale", "impl", "block_sizes"))
+def _block_attention(q, k, v, blocks, pos, q_pos, k_scale, v_scale, *, block_cells, causal,
+                     window, softcap, scale, impl, block_sizes):
+  r, kh, d = k.shape
+  qf, flat_rows, k_pos, qpf = _per_head_sequences(q, blocks, pos, q_pos, r=r,
                                                    block_cells=block_cells)
   scales = {}
   if k_scale is not None:
@@ -100,7 +121,6 @@ def block_attention(q, k, v, blocks, *, block_cells: int, pos, q_pos=None, k_sca
   return _per_query_heads(o, lse, kh=kh)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "block_cells"))
 def _per_head_sequences(q, blocks, pos, q_pos, *, r, block_cells):
   """Each (sequence, KV head) as a sequence of one KV head: q ``[B*K,T,G,D]``, its pool rows
   in the ``[R*K,1,D]`` view, their positions, and the queries' positions."""
@@ -115,7 +135,6 @@ def _per_head_sequences(q, blocks, pos, q_pos, *, r, block_cells):
   return qf, flat_rows, k_pos.reshape(b * kh, n * block_cells), qpf
 
 
-@functools.partial(jax.jit, static_argnames=("kh",))
 def _per_query_heads(o, lse, *, kh):
   bk, t, g, d = o.shape
   b = bk // kh
@@ -278,21 +297,56 @@ def select_blocks(scores, *, n_select: int, filled_blocks: int, window_blocks: i
   and the best-scored others, in ascending order (-1 first; the order the attention reads them
   in, the same in every path). ``scores [B,K,NB]``; blocks at or past ``filled_blocks`` hold no
   cell and are never chosen."""
-  b, kh, nb = scores.shape
+  n = _checked_selection(scores.shape[-1], n_select, filled_blocks, window_blocks, sink_blocks)
+  return _select(scores, filled_blocks, n=n, window_blocks=window_blocks,
+                 sink_blocks=sink_blocks)
+
+
+def quest_select_blocks(q, summaries: BlockSummaries, *, scale: float, n_select: int,
+                        filled_blocks: int, window_blocks: int, sink_blocks: int = 0) -> jax.Array:
+  """``select_blocks(QuestSelector().scores(q, ...), ...)`` as one program: the same ids, one
+  dispatch per decode step instead of a handful (the block cache's hot path)."""
+  nb = summaries.k_min.shape[1]
+  n = _checked_selection(nb, n_select, filled_blocks, window_blocks, sink_blocks)
+  return _quest_select(q, summaries.k_min, summaries.k_max, scale, filled_blocks, n=n,
+                       window_blocks=window_blocks, sink_blocks=sink_blocks)
+
+
+def _checked_selection(nb, n_select, filled_blocks, window_blocks, sink_blocks) -> int:
+  """The selection's size ``N`` after select_blocks' checks."""
   _check(0 < filled_blocks <= nb, f"select_blocks: filled_blocks must be in [1, {nb}], got "
          f"{filled_blocks}")
   n = min(int(n_select), nb)
   must = must_read(nb, filled_blocks, window_blocks=window_blocks, sink_blocks=sink_blocks)
   _check(int(must.sum()) <= n, f"select_blocks: {int(must.sum())} must-read blocks (window "
          f"{window_blocks}, sinks {sink_blocks}) exceed the selection of {n}")
-  filled = np.arange(nb) < filled_blocks
-  return _select(scores, jnp.asarray(must), jnp.asarray(filled), n)
+  return n
 
 
-@functools.partial(jax.jit, static_argnames=("n",))
-def _select(scores, must, filled, n):
+def _must_and_filled(nb, filled_blocks, window_blocks, sink_blocks):
+  """:func:`must_read` and ``arange(NB) < filled_blocks`` made in the program from the traced
+  ``filled_blocks`` (no [NB] masks uploaded per step, no retrace as the fill grows)."""
+  idx = jnp.arange(nb, dtype=jnp.int32)
+  filled = idx < filled_blocks
+  window = (idx >= filled_blocks - window_blocks) & filled
+  sinks = (idx < sink_blocks) & filled
+  return window | sinks, filled
+
+
+def _top_blocks(scores, filled_blocks, *, n, window_blocks, sink_blocks):
+  must, filled = _must_and_filled(scores.shape[-1], filled_blocks, window_blocks, sink_blocks)
   s = jnp.clip(jnp.nan_to_num(scores.astype(jnp.float32), nan=-_SCORE_CLIP), -_SCORE_CLIP,
                _SCORE_CLIP)
   prio = jnp.where(must, _MUST, jnp.where(filled, s, -jnp.inf))
   top, ids = jax.lax.top_k(prio, n)
   return jnp.sort(jnp.where(top == -jnp.inf, -1, ids.astype(jnp.int32)), axis=-1)
+
+
+_select = jax.jit(_top_blocks, static_argnames=("n", "window_blocks", "sink_blocks"))
+
+
+@functools.partial(jax.jit, static_argnames=("n", "window_blocks", "sink_blocks"))
+def _quest_select(q, k_min, k_max, scale, filled_blocks, *, n, window_blocks, sink_blocks):
+  scores = _quest(_grouped(q, k_min.shape[2]), k_min, k_max, scale)
+  return _top_blocks(scores, filled_blocks, n=n, window_blocks=window_blocks,
+                     sink_blocks=sink_blocks)
