@@ -35,6 +35,8 @@ _SELECTOR = flags.DEFINE_enum("selector", _D.selector, ["quest", "oracle"], "Blo
 _IMPL = flags.DEFINE_enum("impl", _D.impl, ["auto", "xla", "pallas", "reference"], "Backend.")
 _WARMUP = flags.DEFINE_integer("warmup", _D.warmup, "Untimed steps.")
 _STEPS = flags.DEFINE_integer("steps", _D.steps, "Timed steps (median reported).")
+_TRACE = flags.DEFINE_integer("trace_steps", _D.trace_steps, "Steps of the first sparse row traced "
+                               "with jax.profiler after timing (0: none).", lower_bound=0)
 _OUT = flags.DEFINE_string("out", "benchmarks/results/sparse_bench_h200.json", "JSON output.")
 
 
@@ -46,7 +48,8 @@ def main(argv):
       select_cells=_ints(_SELECT.value), block_cells=_BLOCK.value, num_heads=_HEADS.value,
       num_kv_heads=_KV_HEADS.value, head_dim=_HEAD_DIM.value, layers=_LAYERS.value,
       topics=_TOPICS.value, dense_tactics=tuple(_DENSE.value), tile_cells=_TILE.value,
-      selector=_SELECTOR.value, impl=_IMPL.value, warmup=_WARMUP.value, steps=_STEPS.value)
+      selector=_SELECTOR.value, impl=_IMPL.value, warmup=_WARMUP.value, steps=_STEPS.value,
+      trace_steps=_TRACE.value)
   result = lab.run(cfg)
   print(lab.format_table(result))
   benchmarking.write_json(_OUT.value, result)

@@ -68,6 +68,9 @@ class SparseBenchConfig:
   impl: str = "auto"
   warmup: int = 64  # steps before timing: the slots reach their steady state (cold misses out)
   steps: int = 64
+  # > 0: the first sparse row traces this many more steps (jax.profiler) and keeps the summary
+  # (lab/trace_summary.py: device streams, the rkv.sparse.* host spans) in its "trace".
+  trace_steps: int = 0
   seed: int = 0
   pcie_gbps: float = H200_DEFAULT.pcie_gbps
   hbm_gbps: float = H200_DEFAULT.hbm_gbps
@@ -76,6 +79,9 @@ class SparseBenchConfig:
   device_kv_budget_bytes: float = 0.98 * 140 * 2**30 - 16.06e9 - 1.04 * 2**30
 
   def __post_init__(self):
+    if not isinstance(self.trace_steps, int) or self.trace_steps < 0:
+      raise ValueError(f"SparseBenchConfig: trace_steps must be an int >= 0, got "
+                       f"{self.trace_steps!r}")
     for name in ("slot_cells", "select_cells"):
       for c in getattr(self, name):
         if c % self.block_cells:
@@ -146,7 +152,7 @@ def sparse_row(cfg, context, slot_cells, select_cells) -> dict:
   cache = sparse.BlockCache.from_host(kv, pos, config=bcfg, fill=context, host=cfg.host)
   del kv  # pinned: copied into page-locked buffers
   build_s = time.perf_counter() - t0
-  n = cfg.warmup + cfg.steps
+  n = cfg.warmup + cfg.steps + (cfg.trace_steps + 1 if cfg.trace_steps else 0)
   qs, topics = _queries(cfg, dirs, rng, n)
   cells = _new_cells(cfg, rng, n)
   state = dict(cache=cache, i=0, found=0)
@@ -156,7 +162,8 @@ def sparse_row(cfg, context, slot_cells, select_cells) -> dict:
     c = state["cache"]
     p = c.fill
     positions = jnp.full((1, 1), p, jnp.int32)
-    c = c.append(*cells[i], positions)
+    with jax.profiler.TraceAnnotation("rkv.sparse.append"):
+      c = c.append(*cells[i], positions)
     o, _, ids, c = c.step(jnp.asarray(qs[i], cfg.dtype), positions, impl=cfg.impl)
     picked = set(np.asarray(ids)[0, 0].tolist())
     state["found"] += len(picked & set(chosen[topics[i]].tolist())) / len(chosen[topics[i]])
@@ -171,7 +178,8 @@ def sparse_row(cfg, context, slot_cells, select_cells) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(step())
     times.append(time.perf_counter() - t)
-  tot = state["cache"].totals
+  tot, found1 = state["cache"].totals, state["found"]
+  trace = _trace(cfg, step, n_steps=cfg.trace_steps) if cfg.trace_steps else None
   d = dataclasses.replace(tot, **{f: getattr(tot, f) - getattr(before, f)
                                   for f in ("steps", "hits", "misses", "evictions",
                                             "bytes_from_host", "moved_bytes", "transfers")})
@@ -187,11 +195,36 @@ def sparse_row(cfg, context, slot_cells, select_cells) -> dict:
               step_ms_min=float(np.min(times)) * 1e3, hit_rate=d.hit_rate, misses_per_step=d.misses / d.steps,
               evictions_per_step=d.evictions / d.steps,
               mib_from_host_per_step=host_b / MIB, mib_from_host_per_token=cfg.layers * host_b / MIB,
-              planted_recall=(state["found"] - found0) / cfg.steps,
+              planted_recall=(found1 - found0) / cfg.steps,
               device_bytes=dev_b, device_read_bytes=read_b,
               bound_ms=max(read_b / (cfg.hbm_gbps * 1e9), host_b / (cfg.pcie_gbps * 1e9)) * 1e3,
               build_s=build_s, host_store="pinned" if cache.store.pinned else "numpy",
-              counters=d.as_dict())
+              counters=d.as_dict(), **({} if trace is None else {"trace": trace}))
+
+
+def _trace(cfg, step, n_steps: int) -> dict:
+  """``n_steps`` more steps under ``jax.profiler`` (after one traced and thrown away: the
+  profiler's start), summarized; ``traced_step_ms`` are their wall times."""
+  import glob
+  import os
+  import tempfile
+  from lab.trace_summary import summarize
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 0
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, profiler_options=opts):
+      jax.block_until_ready(step())
+  times = []
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, profiler_options=opts):
+      for _ in range(n_steps):
+        t = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(1e3 * (time.perf_counter() - t))
+    pb = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
+    out = summarize(pb[-1], 20)
+  out["traced_step_ms"] = times
+  return out
 
 
 def dense_row(cfg, context, tactic, window_cells) -> dict:
@@ -259,7 +292,8 @@ def run(cfg: SparseBenchConfig = SparseBenchConfig()) -> dict:
       for sel in cfg.select_cells:
         if sel > slots or slots > context:
           continue
-        r = sparse_row(cfg, context, slots, sel)
+        r = sparse_row(cfg if not rows else dataclasses.replace(cfg, trace_steps=0), context,
+                       slots, sel)  # only the first sparse row is traced
         r.update(_compose(cfg, r))
         rows.append(r)
         # Equal device memory: the dense window holds the sparse layer's device bytes.

@@ -556,23 +556,28 @@ class BlockCache:
     ``(o, lse, blocks, new cache)``."""
     if self.fill == 0:
       raise ValueError("BlockCache.step: the cache is empty")
-    if blocks is None:
-      blocks = self.select(q, positions, scale=scale, softcap=softcap, selector=selector)
-    ids = np.asarray(blocks).astype(np.int32)
+    # The rkv.sparse.* spans name the step's phases in a jax.profiler trace
+    # (experiments/sparse_bench.py --trace_steps); outside a trace they cost nothing measurable.
+    with jax.profiler.TraceAnnotation("rkv.sparse.select"):
+      if blocks is None:
+        blocks = self.select(q, positions, scale=scale, softcap=softcap, selector=selector)
+      ids = np.asarray(blocks).astype(np.int32)  # the step's one wait on the device
     if ids.ndim != 3 or ids.shape[:2] != (self.batch, self.num_kv_heads):
       raise ValueError(f"BlockCache.step: blocks must be [B,K,N]=[{self.batch},"
                        f"{self.num_kv_heads},N], got {ids.shape}")
     if ids.size and (ids.max() >= self.filled_blocks):
       raise ValueError(f"BlockCache.step: block ids must be < {self.filled_blocks} (the written "
                        f"blocks), got {int(ids.max())}")
-    new = self.make_resident(ids)
+    with jax.profiler.TraceAnnotation("rkv.sparse.resident"):
+      new = self.make_resident(ids)
     slot_ids = np.where(ids < 0, -1, new.residency.page_table[np.arange(self.batch)[:, None, None],
                                                             np.maximum(ids, 0)])
-    o, lse = _blocks.block_attention(
-        q, new.k_slots, new.v_slots, slot_ids.astype(np.int32),
-        block_cells=self.block_cells, pos=new.slot_pos, q_pos=jnp.asarray(positions, jnp.int32),
-        k_scale=new.k_scale_slots, v_scale=new.v_scale_slots, causal=True, window=window,
-        softcap=softcap, scale=scale, impl=impl)
+    with jax.profiler.TraceAnnotation("rkv.sparse.attend"):
+      o, lse = _blocks.block_attention(
+          q, new.k_slots, new.v_slots, slot_ids.astype(np.int32),
+          block_cells=self.block_cells, pos=new.slot_pos, q_pos=jnp.asarray(positions, jnp.int32),
+          k_scale=new.k_scale_slots, v_scale=new.v_scale_slots, causal=True, window=window,
+          softcap=softcap, scale=scale, impl=impl)
     # The selection made on the device is returned as it is (not uploaded again).
     selected = blocks if _is_device_int32(blocks) else jnp.asarray(ids)
     return o, lse, selected, new
