@@ -26,8 +26,8 @@ PICK = [
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session3/res_32k_512k.json", "shipped defaults (fused projections)",
      [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session3/b8.json", "shipped defaults before the planner's reserve narrowing (5342941): the "
-     "worst-case reserve put 13.75 GiB on the host and picked the cpu tactic",
+    ("session3/b8_reserve.json", "shipped defaults (the planner's reserve narrowed to the plan's "
+     "own tiles, 5342941: 8.75 GiB on the host where the worst-case reserve put 13.75)",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 
