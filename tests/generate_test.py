@@ -198,14 +198,15 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
   """rkv.generate.warm_up compiles on tiny caches what a planned run compiles later: after it, a
   prefill chunk and decode steps over the plan's own caches add no logits program (it sees one
   position whatever the chunk) and no decode-shaped block program."""
+  from flax import nnx
   from rkv.models import transformer
-  model = models.load_hf(os.path.join(FIXTURES, "gemma2"), jnp.float32, impl="xla")
-  tokens = np.load(os.path.join(FIXTURES, "gemma2", "reference.npz"))["tokens"]
-  cfg = model.config
+  # A structure no other test builds (programs are cached by it), so nothing is compiled yet.
+  cfg = models.ModelConfig.preset("tiny-llama").replace(vocab_size=301, dtype="float32")
+  model = models.Transformer(cfg, rngs=nnx.Rngs(0), impl="xla")
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
   _, leave = transformer._edge_programs(
       cfg, *transformer._split_flat((model.embed, model.final_norm, model.lm_head))[:2])
   pre, post, _ = transformer._block_programs(*transformer._split_flat(model.layers[1])[:2])
-  jax.clear_caches()  # other tests compiled the same structure's programs
   assert (leave._cache_size(), pre._cache_size(), post._cache_size()) == (0, 0, 0)
   assert gen.warm_up(model, batch=2) > 0
   sizes = (leave._cache_size(), pre._cache_size(), post._cache_size())
