@@ -201,7 +201,8 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
   from flax import nnx
   from rkv.models import transformer
   # A structure no other test builds (programs are cached by it), so nothing is compiled yet.
-  cfg = models.ModelConfig.preset("tiny-llama").replace(vocab_size=301, dtype="float32")
+  cfg = models.ModelConfig.preset("tiny-llama").replace(vocab_size=301, hidden_size=48,
+                                                        dtype="float32")
   model = models.Transformer(cfg, rngs=nnx.Rngs(0), impl="xla")
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
   _, leave = transformer._edge_programs(
