@@ -155,12 +155,8 @@ def model_rows(depths, *, context, chunk, steps, profile_path, rates, preset="ll
   jax.block_until_ready(nnx.state(model))
   step = layered_forward(model, last_only=True)
   # Compile the chunk's dense programs on tiny caches before any large fill: XLA's GEMM
-  # autotuner allocates scratch when it compiles, which a 1M fill leaves no room for
-  # (decode_bench.warm_layered_programs, the same story for decode).
-  warm = _warm_caches(mc, cfg, chunk)
-  logits, warm = step(jnp.zeros((1, chunk), jnp.int32), gen._positions(1, 0, chunk), warm)
-  jax.block_until_ready(logits)
-  del warm
+  # autotuner allocates scratch when it compiles, which a 1M fill leaves no room for.
+  gen.warm_up(model, lengths=(chunk,))
   plan, info = db._offload_plan(cfg, mc, context, memory_stats)
   log(f"model: plan for {context}: {info['tactics']}, window {info.get('window_cells')}, "
       f"host {info['host_kv_gib']:.2f} GiB")
@@ -212,17 +208,6 @@ def model_rows(depths, *, context, chunk, steps, profile_path, rates, preset="ll
 def cfg_profile(cfg):
   import rkv
   return rkv.ResidencyConfig(profile_path=cfg.profile_path).resolve_profile()
-
-
-def _warm_caches(mc, cfg, chunk):
-  import jax.numpy as jnp
-  import rkv
-  from rkv import generate as gen
-  tile = 256
-  cap = 2 * chunk + 4 * tile
-  res = rkv.ResidencyConfig(vram_target_mib=1 << 20, check_free=False)
-  plan = gen.force_tactic(rkv.plan(mc, cap, 1, residency=res), "stream", chunk + tile, tile)
-  return gen.caches_from_plan(mc, plan, 1, cap, jnp.dtype(mc.dtype))
 
 
 def _filled(db, gen, mc, plan, depth, capacity):
