@@ -284,10 +284,14 @@ def must_read(n_blocks: int, filled_blocks: int, *, window_blocks: int,
               sink_blocks: int) -> np.ndarray:
   """``[NB]`` bool: the blocks every query reads whatever its scores: the last ``window_blocks``
   written blocks (the recent window) and the first ``sink_blocks`` (attention sinks)."""
-  m = np.zeros(n_blocks, bool)
-  m[max(filled_blocks - window_blocks, 0):filled_blocks] = True
-  m[:min(sink_blocks, filled_blocks)] = True
-  return m
+  return _must_mask(np.arange(n_blocks), filled_blocks, window_blocks, sink_blocks)[0]
+
+
+def _must_mask(idx, filled_blocks, window_blocks, sink_blocks):
+  """``(must-read, written)`` masks over block ids ``idx``, by comparisons alone: one definition
+  for :func:`must_read` (NumPy) and the selection programs (``filled_blocks`` traced there)."""
+  filled = idx < filled_blocks
+  return ((idx >= filled_blocks - window_blocks) | (idx < sink_blocks)) & filled, filled
 
 
 def select_blocks(scores, *, n_select: int, filled_blocks: int, window_blocks: int,
@@ -323,18 +327,10 @@ def _checked_selection(nb, n_select, filled_blocks, window_blocks, sink_blocks) 
   return n
 
 
-def _must_and_filled(nb, filled_blocks, window_blocks, sink_blocks):
-  """:func:`must_read` and ``arange(NB) < filled_blocks`` made in the program from the traced
-  ``filled_blocks`` (no [NB] masks uploaded per step, no retrace as the fill grows)."""
-  idx = jnp.arange(nb, dtype=jnp.int32)
-  filled = idx < filled_blocks
-  window = (idx >= filled_blocks - window_blocks) & filled
-  sinks = (idx < sink_blocks) & filled
-  return window | sinks, filled
-
-
 def _top_blocks(scores, filled_blocks, *, n, window_blocks, sink_blocks):
-  must, filled = _must_and_filled(scores.shape[-1], filled_blocks, window_blocks, sink_blocks)
+  # Made in the program from the traced fill: no [NB] masks uploaded a step, no retrace.
+  must, filled = _must_mask(jnp.arange(scores.shape[-1], dtype=jnp.int32), filled_blocks,
+                            window_blocks, sink_blocks)
   s = jnp.clip(jnp.nan_to_num(scores.astype(jnp.float32), nan=-_SCORE_CLIP), -_SCORE_CLIP,
                _SCORE_CLIP)
   prio = jnp.where(must, _MUST, jnp.where(filled, s, -jnp.inf))
