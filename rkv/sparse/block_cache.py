@@ -512,7 +512,7 @@ class BlockCache:
     if self.quantized:
       if np.dtype(k.dtype) == np.dtype(np.int8):
         raise ValueError("BlockCache.append: give float k/v; the cache quantizes them")
-      (kq, ks), (vq, vs) = _cache.quantize_int8(k), _cache.quantize_int8(v)
+      (kq, ks), (vq, vs) = _cache.quantize_pair(k, v)
       return kq, vq, ks, vs
     if all(isinstance(x, jax.Array) and np.dtype(x.dtype) == self.dtype for x in (k, v)):
       return k, v, None, None
