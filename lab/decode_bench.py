@@ -380,7 +380,8 @@ def plan_bound(plan, mc, fill: int, kv_dtype: str | None = None) -> dict[str, An
   model config ``mc`` with its caches filled to ``fill`` cells."""
   cell = kv_cell_bytes(mc, kv_dtype or plan.kv_dtype)
   return bound_fields(plan_traffic(plan, fill, cell), weight_read_bytes(mc),
-                      plan.profile.hbm_gbps, link_rates_gbps(plan.profile), plan.batch)
+                      plan.profile.hbm_gbps,
+                      link_rates_gbps(plan.profile.for_kv_dtype(plan.kv_dtype)), plan.batch)
 
 
 def resident_bound(mc, profile, capacity: int, batch: int,

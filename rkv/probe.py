@@ -24,6 +24,8 @@ What is measured (each figure can be overridden; ``experiments/probe.py`` is the
   (median) minus its fixed cost (``transfer_overhead_us``; the branch's) gives its rate under
   contention. The hybrid tactic's whole step at that split, each side alone, and the model's
   time for the step go to ``details`` (:func:`format_checks` prints them).
+- ``cpu_int8_share``: the kernel alone over the same cells in int8 (with scales), its bytes/s
+  over the float dtype's (the kernel's cost is per cell: ``Profile.for_kv_dtype``).
 - ``host_read_gbps`` and the kernel alone over numpy memory (the fallback for
   ``cpu_attn_gbps`` when the tail path cannot run, and a comparison in ``details``):
   ``rkv.offload.cpu_attention.measure_host_read_bandwidth`` / ``measure_cpu_attention`` (imported
@@ -276,9 +278,10 @@ def _jsonable(x):
 
 
 def measure_cpu(cfg: ProbeConfig) -> dict:
-  """``{cpu_attn_gbps, host_read_gbps, details}`` from :data:`CPU_ATTENTION_MODULE` if present;
+  """``{cpu_attn_gbps, host_read_gbps, cpu_int8_share, details}`` from :data:`CPU_ATTENTION_MODULE` if present;
   a missing module or function gives ``None`` with the reason."""
-  out: dict[str, Any] = dict(cpu_attn_gbps=None, host_read_gbps=None, details={})
+  out: dict[str, Any] = dict(cpu_attn_gbps=None, host_read_gbps=None, cpu_int8_share=None,
+                            details={})
   if not cfg.cpu:
     out["details"] = dict(cpu_attn_gbps="skipped (cpu=False)", host_read_gbps="skipped (cpu=False)")
     return out
@@ -315,6 +318,19 @@ def measure_cpu(cfg: ProbeConfig) -> dict:
       out["details"][figure] = f"{fn_name} returned no usable GB/s: {result!r}"[:300]
     else:
       out[figure] = val
+  fn = getattr(mod, "measure_cpu_attention", None)
+  if (out["cpu_attn_gbps"] is not None and fn is not None and cfg.dtype != "int8"
+      and "dtype" in inspect.signature(fn).parameters):
+    # The kernel alone over int8 K/V, the same cells: its bytes/s as a share of the float
+    # dtype's (the kernel's cost is per cell; Profile.for_kv_dtype).
+    try:
+      val = _gbps(_call(fn, **dict(attn_kw, dtype="int8")), ("gbps", "cpu_attn_gbps"))
+    except Exception as e:  # noqa: BLE001 - optional, like the figures above
+      out["details"]["cpu_int8_share"] = f"measure_cpu_attention(int8) failed: {type(e).__name__}: {e}"
+    else:
+      if val is not None and val > 0 and math.isfinite(val):
+        out["details"]["cpu_int8_gbps"] = val
+        out["cpu_int8_share"] = val / out["cpu_attn_gbps"]
   return out
 
 
@@ -550,6 +566,7 @@ def run_probe(cfg: ProbeConfig = ProbeConfig()) -> Profile:
                  d2h_gbps=max(d2h, key=lambda r: r["bytes"])["gbps"],
                  hbm_gbps=attn["hbm_gbps"], attn_overhead_us=attn["attn_overhead_us"],
                  cpu_attn_gbps=cpu["cpu_attn_gbps"], host_read_gbps=cpu["host_read_gbps"],
+                 cpu_int8_share=cpu["cpu_int8_share"],
                  copy_latency_us=latency_us, overlap=1.0, device=dev.device_kind,
                  source=f"rkv.probe on {jax.default_backend()} ({dev.device_kind})",
                  details=details, **tail_figures)

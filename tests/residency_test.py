@@ -16,8 +16,10 @@ import sys
 import types
 
 import pytest
+import numpy as np
 
 from rkv import residency as rz
+from rkv.planner.profile import INT8_CPU_SHARE_FALLBACK
 from rkv.residency import (MIB, WINDOW_ALIGN, AttentionShape, Profile, ResidencyConfig,
                            modeled_times)
 
@@ -417,7 +419,7 @@ def test_profile_new_figures_roundtrip_and_old_format(tmp_path):
                              hybrid_pcie_gbps=45.0, hybrid_cpu_gbps=20.0)
   path = prof.save(str(tmp_path / "v2.json"))
   doc = json.load(open(path))
-  assert doc["version"] == rz.PROFILE_VERSION == 2 and doc["cpu_overhead_us"] == 900.0
+  assert doc["version"] == rz.PROFILE_VERSION == 3 and doc["cpu_overhead_us"] == 900.0
   assert Profile.load(path) == prof
   text = prof.describe()
   for piece in ("PCIe 50 GB/s + 700 us/stream", "CPU attn 25 GB/s + 900 us/call",
@@ -448,6 +450,31 @@ def test_profile_new_figures_roundtrip_and_old_format(tmp_path):
       dataclasses.replace(FLAT, **bad)
 
 
+def test_profile_int8_cpu_share(tmp_path):
+  """An int8 cache's CPU figures: the kernel's cost is per cell, so its bytes/s is a share of
+  bf16's (measured, else the fallback); PCIe and HBM figures and other dtypes are untouched."""
+  prof = dataclasses.replace(FLAT, hybrid_pcie_gbps=45.0, hybrid_cpu_gbps=20.0, cpu_int8_share=0.4)
+  assert Profile.load(prof.save(str(tmp_path / "p.json"))) == prof
+  assert "CPU int8 at 0.4 of bf16's bytes/s" in prof.describe()
+  i8 = prof.for_kv_dtype("int8")
+  assert (i8.cpu_attn_gbps, i8.hybrid_cpu_gbps) == pytest.approx((10.0, 8.0))
+  assert (i8.pcie_gbps, i8.hybrid_pcie_gbps, i8.hbm_gbps) == (50.0, 45.0, 1000.0)
+  assert prof.for_kv_dtype("bfloat16") is prof and prof.for_kv_dtype(np.float32) is prof
+  assert FLAT.for_kv_dtype(np.int8).cpu_attn_gbps == pytest.approx(
+      25.0 * INT8_CPU_SHARE_FALLBACK)
+  assert dataclasses.replace(FLAT, cpu_attn_gbps=None).for_kv_dtype("int8").cpu_attn_gbps is None
+  with pytest.raises(ValueError, match="cpu_int8_share"):
+    ResidencyConfig(cpu_int8_share=0.0)
+  # The planner models an int8 cache with those figures: a slower CPU takes a smaller share of
+  # a hybrid layer's tail. The plan keeps the profile as resolved.
+  def hybrid_share(share):
+    p = rz.plan(shape(kv_dtype="int8"), CTX, 1, residency=cfg(
+        2 * 150_000, mode="hybrid", profile=dataclasses.replace(FLAT, cpu_int8_share=share)))
+    assert p.profile.cpu_int8_share == share
+    return p.layers[0].cpu_fraction
+  assert hybrid_share(0.25) < hybrid_share(1.0)
+
+
 def test_default_profile(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path))
   assert rz.default_profile_path() == str(tmp_path / ".cache" / "rkv" / "profile.json")
@@ -465,9 +492,21 @@ def test_h200_default_is_the_measured_profile():
   measured = rz.Profile.load(path)
   d = rz.H200_DEFAULT
   for name in rz.FIGURES:
+    if name == "cpu_int8_share":  # newer than profile v3: see test_h200_default_int8_share
+      continue
     want = getattr(measured, name)
     assert want is not None, name
     assert getattr(d, name) == pytest.approx(want, rel=2e-3), name
+
+
+def test_h200_default_int8_share():
+  # Newer than profile v3: the v5 probe's measurement (the kernel alone, int8 over bf16 bytes/s).
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                      "profile_h200_v5.json")
+  if not os.path.isfile(path):
+    pytest.skip(f"{path} not present")
+  assert rz.H200_DEFAULT.cpu_int8_share == pytest.approx(rz.Profile.load(path).cpu_int8_share,
+                                                         rel=2e-3)
 
 
 def test_bad_profiles(tmp_path):
@@ -575,7 +614,10 @@ def test_probe_cpu_module_adapter(monkeypatch):
   seen = {}
   fake = types.ModuleType("fake_cpu_attention")
 
-  def measure_cpu_attention(kv_len, *, num_kv_heads, head_dim, group, tile_cells, repeats):
+  def measure_cpu_attention(kv_len, *, num_kv_heads, head_dim, group, tile_cells, repeats,
+                            dtype="float32"):
+    if dtype == "int8":  # the same cells in int8: the share of the float rate
+      return 1.2e9
     seen.update(kv_len=kv_len, group=group, tile_cells=tile_cells)
     return 3.0e9
 
@@ -589,6 +631,7 @@ def test_probe_cpu_module_adapter(monkeypatch):
   monkeypatch.setattr(probe, "CPU_ATTENTION_MODULE", "fake_cpu_attention")
   out = probe.measure_cpu(tiny_probe(cpu=True, cpu_kv_len=1000, host_read_mib=1))
   assert out["cpu_attn_gbps"] == pytest.approx(3.0) and out["host_read_gbps"] == pytest.approx(12.0)
+  assert out["cpu_int8_share"] == pytest.approx(0.4)
   assert seen == dict(kv_len=1000, group=2, tile_cells=1000, nbytes=MIB)
   # A failing measurement records its reason and keeps the other figure.
   def boom(**kw):

@@ -74,6 +74,7 @@ class ResidencyConfig:
   cpu_overhead_us: float | None = None
   hybrid_pcie_gbps: float | None = None
   hybrid_cpu_gbps: float | None = None
+  cpu_int8_share: float | None = None
 
   def __post_init__(self):
     where = "ResidencyConfig"

@@ -252,6 +252,9 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   shape = attention_shape(model_config, cfg.kv_dtype)
   profile = cfg.resolve_profile()
   check_profile_device(profile)
+  # The model's figures for this cache's dtype (an int8 tail is attended on the CPU at its own
+  # rate: Profile.for_kv_dtype); the plan keeps the profile as resolved.
+  kv_profile = profile.for_kv_dtype(shape.kv_dtype)
   sz = cell_sizes(shape, batch)
   from rkv.offload import memory
   explicit = bool(cfg.vram_target_mib)
@@ -354,8 +357,8 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     # the request and first-tile latency) is paid under other work, not once per layer: the
     # stream and hybrid times are modeled without it. The head tactic's rolled heads stream inside
     # their own call (no prefetch), so its time keeps it.
-    stream_profile = (profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
-                      else profile)
+    stream_profile = (kv_profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
+                      else kv_profile)
     candidates = available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
     layers = []
     for i in range(shape.num_layers):

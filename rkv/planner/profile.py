@@ -20,9 +20,19 @@ GB = 1e9
 
 PROFILE_FORMAT = "rkv.Profile"
 # Version 2 added the optional figures transfer_overhead_us, cpu_overhead_us, hybrid_pcie_gbps
-# and hybrid_cpu_gbps; a version-1 profile still loads (they are None: the model's fallbacks).
-PROFILE_VERSION = 2
-READABLE_PROFILE_VERSIONS = (1, 2)
+# and hybrid_cpu_gbps, version 3 cpu_int8_share; an older profile still loads (they are None:
+# the model's fallbacks).
+PROFILE_VERSION = 3
+READABLE_PROFILE_VERSIONS = (1, 2, 3)
+
+# The CPU tail kernel's rate over int8 K/V as a share of its bf16 rate (bytes/s), for a profile
+# that did not measure it (cpu_int8_share None). The kernel's cost is per cell, not per byte: the
+# same FMAs and softmax whatever the dtype (int8 sign-extends where bf16 shifts), and an int8
+# cell-head is 2 * 128 + 8 bytes against bf16's 2 * 256. On the dev box (one thread, tiles in
+# cache and out) both ran at 2.25-2.28 M cells/s, so int8 read 0.52 of bf16's bytes/s; the 2M
+# int8 plan that assumed bf16's bytes/s put twice the CPU's share on it (the H200 trace of
+# benchmarks/results/beyond_hbm/session3/trace_2097152.json: 15.4 ms of CPU a layer).
+INT8_CPU_SHARE_FALLBACK = 264 / 512
 
 
 def default_profile_path() -> str:
@@ -51,8 +61,9 @@ def check_positive(where: str, name: str, value, *, allow_none: bool = True, all
 
 FIGURES = ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
            "host_read_gbps", "copy_latency_us", "overlap", "transfer_overhead_us",
-           "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps")
-OPTIONAL_RATES = ("cpu_attn_gbps", "host_read_gbps", "hybrid_pcie_gbps", "hybrid_cpu_gbps")
+           "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps", "cpu_int8_share")
+OPTIONAL_RATES = ("cpu_attn_gbps", "host_read_gbps", "hybrid_pcie_gbps", "hybrid_cpu_gbps",
+                  "cpu_int8_share")
 OPTIONAL_OVERHEADS = ("transfer_overhead_us", "cpu_overhead_us")
 
 
@@ -75,6 +86,9 @@ class Profile:
   adds :func:`partial_copy_time` instead). ``hybrid_pcie_gbps`` / ``hybrid_cpu_gbps``: each
   side's rate while the DMA stream and the CPU kernel run at the same time on disjoint tiles
   (they share host memory bandwidth and the cores; None: the side's solo rate).
+  ``cpu_int8_share``: the CPU kernel's bytes/s over int8 K/V (with their scales) as a share of
+  its bf16 bytes/s, both measured by the kernel alone (None: :data:`INT8_CPU_SHARE_FALLBACK`);
+  :meth:`for_kv_dtype` applies it to the CPU figures of an int8 cache.
   ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
   DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``:
   fixed cost of one small host↔device copy (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
@@ -94,6 +108,7 @@ class Profile:
   cpu_overhead_us: float | None = None
   hybrid_pcie_gbps: float | None = None
   hybrid_cpu_gbps: float | None = None
+  cpu_int8_share: float | None = None
   device: str = ""
   source: str = ""
   # Not part of equality or the hash: a config holding a profile stays hashable.
@@ -122,6 +137,18 @@ class Profile:
     kw = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(self, **kw) if kw else self
 
+  def for_kv_dtype(self, kv_dtype) -> "Profile":
+    """The figures a cache of ``kv_dtype`` sees: for ``int8`` the CPU kernel's rates, solo and
+    contended, times ``cpu_int8_share`` (else :data:`INT8_CPU_SHARE_FALLBACK`); PCIe and HBM move
+    bytes whatever they hold, so every other figure, and every other dtype, is unchanged."""
+    name = kv_dtype if isinstance(kv_dtype, str) else np.dtype(kv_dtype).name
+    if name != "int8" or self.cpu_attn_gbps is None:
+      return self
+    share = INT8_CPU_SHARE_FALLBACK if self.cpu_int8_share is None else self.cpu_int8_share
+    scaled = lambda x: None if x is None else x * share
+    return dataclasses.replace(self, cpu_attn_gbps=scaled(self.cpu_attn_gbps),
+                               hybrid_cpu_gbps=scaled(self.hybrid_cpu_gbps))
+
   def describe(self) -> str:
     f = lambda x, unit, fmt="{:.4g}": "-" if x is None else fmt.format(x) + unit
     plus = lambda x, what: "" if x is None else f" + {x:.4g} us/{what}"
@@ -132,6 +159,8 @@ class Profile:
     if self.hybrid_pcie_gbps is not None or self.hybrid_cpu_gbps is not None:
       text += (f"hybrid (contended) PCIe {f(self.hybrid_pcie_gbps, ' GB/s')} CPU "
                f"{f(self.hybrid_cpu_gbps, ' GB/s')}, ")
+    if self.cpu_int8_share is not None:
+      text += f"CPU int8 at {self.cpu_int8_share:.3g} of bf16's bytes/s, "
     return text + (f"host read {f(self.host_read_gbps, ' GB/s')}, "
                    f"copy latency {f(self.copy_latency_us, ' us')}, overlap {self.overlap:g}")
 
@@ -194,6 +223,9 @@ H200_DEFAULT = Profile(
     cpu_attn_gbps=83.82, cpu_overhead_us=2188.1, hybrid_pcie_gbps=47.98, hybrid_cpu_gbps=71.18,
     # measure_host_read_bandwidth, 1 GiB, 15 threads.
     host_read_gbps=97.06,
+    # The kernel alone over int8 K/V: 47.38 GB/s against 70.35 for bf16 on the same cells (the
+    # v5 probe, benchmarks/results/profile_h200_v5.json; v3 predates the figure).
+    cpu_int8_share=0.6734,
     # A 4 KiB pinned_host -> device device_put (median).
     copy_latency_us=139.3,
     # docs/DESIGN.md §6: the model is the max (perfect overlap), what the eager schedule achieves (§7).
