@@ -480,8 +480,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
 
   def plan_prefetch(caches):
     if prefetcher is not None and planned[0] is not caches:
-      prefetcher.begin([(i, t) for i, c in enumerate(caches)
-                        if (t := c.streamed_tiles())])
+      with jax.profiler.TraceAnnotation("rkv.prefetch.begin"):
+        prefetcher.begin([(i, t) for i, c in enumerate(caches)
+                          if (t := c.streamed_tiles())])
       planned[0] = caches
 
   def fn(tokens, positions=None, caches=None):
@@ -515,11 +516,16 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         kw = attn_kw[i]
         tiles = cache.streamed_tiles() if prefetcher is not None else ()
         if tiles:
-          kw = dict(kw, staged=prefetcher.take(i, tiles))
+          with jax.profiler.TraceAnnotation("rkv.prefetch.take"):
+            kw = dict(kw, staged=prefetcher.take(i, tiles))
         with jax.profiler.TraceAnnotation("rkv.layer.attend"):
           o, cache = cache.attend(q, k, v, positions, **kw)
         if tiles:
-          prefetcher.consumed(o)
+          # Its waits and requests, in traces: with 4 tiles the layers' host parts outside
+          # attend/pre/post took ~0.8 ms a layer (benchmarks/results/beyond_hbm/session4/
+          # trace_half128_p4.json), unannotated then.
+          with jax.profiler.TraceAnnotation("rkv.prefetch.consumed"):
+            prefetcher.consumed(o)
         with jax.profiler.TraceAnnotation("rkv.layer.post"):
           x = post(leaves, x, o)
       new_caches.append(cache)
