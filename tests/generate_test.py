@@ -265,6 +265,37 @@ def test_layered_forward_prefetch_equals_no_prefetch(tactic):
     models.layered_forward(model, prefetch_tiles=-1)
 
 
+@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
+def test_layered_forward_next_tile_equals_without(tactic):
+  """NextTile (each streaming layer requests the next one's first tile, the last layer the next
+  step's) changes when a tile moves, not what is attended: logits and caches equal
+  layered_forward without it, bit for bit, through a prefill, decode steps and a flush; the
+  requested tiles are actually used."""
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
+  tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
+  cfg = model.config
+  base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
+  plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
+  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
+  runs = {}
+  for on in (False, True):
+    fwd = models.layered_forward(model, last_only=True, next_tile=on, prefetch_tiles=0)
+    caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
+    out = [fwd(tokens[:, :13], pos(0, 13), caches)]
+    for i in range(13, 19):  # one-token steps; the staging tile flushes at fill 16
+      out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
+    runs[on] = ([np.asarray(l) for l, _ in out], out[-1][1], fwd.next_tile)
+  assert runs[False][2] is None
+  for a, b in zip(runs[False][0], runs[True][0]):
+    np.testing.assert_array_equal(a, b)
+  for x, y in zip(jax.tree.leaves(runs[False][1]), jax.tree.leaves(runs[True][1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ahead = runs[True][2]
+  assert ahead.hits > 0 and ahead.hits <= ahead.requested
+  with pytest.raises(ValueError, match="next_tile"):
+    models.layered_forward(model, next_tile=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Every tactic through generation
 # ----------------------------------------------------------------------------------------------
