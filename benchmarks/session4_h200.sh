@@ -12,9 +12,10 @@
 #   part d: traces of 128K half-offloaded with the prefetcher (4 tiles) and of resident 2K / 128K
 #           with command buffers on (FUSION,CUBLAS,CUBLASLT).
 #   part e: 128K half-offloaded with 15 / 12 / 10 CPU-kernel threads.
-#   part f: NextTile ($RKV_NEXT_TILE 0 / 1, interleaved, twice each) at 1M (default budget) and
-#           128K half-offloaded, and a trace of 128K half with it (written after this session's
-#           device time ran out: not yet run).
+#   part f: NextTile ($RKV_NEXT_TILE 1 / 0) at 128K half-offloaded, then 1M (default budget) with
+#           it (session4/next_tile/half_nt{1,0}.json, 1m_nt1.json). A second run tried the
+#           request moved after the CPU partial's merge in rkv.rolling._with_cpu_tail (an edit
+#           not kept: half_nt1_after_merge.json beside half_nt0_run2.json, --offload_steps=5).
 # The session's results: benchmarks/results/beyond_hbm/session4/ (a/, b/ and the files of c-e).
 # Usage: bash benchmarks/session4_h200.sh a|b|c|d|e|f
 set -uo pipefail
@@ -87,14 +88,10 @@ print(r); json.dump(r, open('$D/cpu_rates.json', 'w'))" 2>&1 | tail -2
     done
     ;;
   f)
-    for rep in 1 2; do
-      for nt in 0 1; do
-        RKV_NEXT_TILE=$nt T=110 run 1m_nt${nt}_$rep 0 --configs=rkv_offload --budget=auto \
-          --contexts=1048576
-        RKV_NEXT_TILE=$nt T=80 run half_nt${nt}_$rep 0 --configs=rkv_offload --contexts=131072
-      done
+    for nt in 1 0; do
+      RKV_NEXT_TILE=$nt T=75 run half_nt$nt 0 --configs=rkv_offload --contexts=131072
     done
-    RKV_NEXT_TILE=1 T=110 tr half128_nt1 --configs=offload:131072:0.5
+    RKV_NEXT_TILE=1 T=100 run 1m_nt1 0 --configs=rkv_offload --budget=auto --contexts=1048576
     ;;
 esac
 echo "== done $(date +%T)"

@@ -445,8 +445,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   its own transfers (one :class:`rkv.offload.stream.NextTile` shared by every call, so the last
   layer requests the next step's first), so the link works through the host's part between two
   layers; one tile of device memory on top of the eager schedule's. Default
-  ``rkv.offload.stream.DEFAULT_NEXT_TILE`` (``$RKV_NEXT_TILE``, else off: not yet measured on
-  the H200). Ignored when a prefetcher is on, and by the fused step.
+  ``rkv.offload.stream.DEFAULT_NEXT_TILE`` (``$RKV_NEXT_TILE``, else off: it measured slower on
+  the H200, see that constant). Ignored when a prefetcher is on, and by the fused step.
 
   ``fused``: run a decode step's rolling layers as two programs a layer plus the CPU kernel
   (:mod:`rkv.models.fused_decode`: the merge, ``post_attention``, the next ``pre_attention`` and

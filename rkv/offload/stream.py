@@ -204,7 +204,11 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # staged runs its CPU share on the dispatching thread), and measured slower
 # (benchmarks/results/beyond_hbm/session4/). NextTile requests only the next streaming layer's
 # first tile, right behind this layer's own, and leaves every layer on the general path.
-# Off until measured on the H200 ($RKV_NEXT_TILE=1 turns it on for a process).
+# Measured slower too, so off ($RKV_NEXT_TILE=1 turns it on for a process): 128K half-offloaded
+# 6.70 tok/s with it against 7.57 without, 1M 6.28 (6.97-7.13 without, other runs of that
+# session); with the request moved after the CPU partial's merge, 4.92 against 7.39
+# (benchmarks/results/beyond_hbm/session4/next_tile/). So an idle link between layers is not
+# what holds these steps; what a moved transfer delays is not traced yet.
 NEXT_TILE_ENV = "RKV_NEXT_TILE"
 
 
