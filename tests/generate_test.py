@@ -230,37 +230,47 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
       gen.warm_up(model, **bad)
 
 
-@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
-def test_layered_forward_prefetch_equals_no_prefetch(tactic):
-  """The cross-layer Prefetcher (tiles of the next layers and of the next step requested ahead)
-  changes when tiles move, not what is attended: logits and caches equal layered_forward without
-  it, bit for bit, through a prefill, decode steps and a flush, with 2 tiles in flight at most
-  (the flow control waits) and with 16; ahead-requested tiles are actually used."""
+def _decode_with(tactic, **forward_kw):
+  """The llama fixture on a forced ``tactic`` plan (W=4, 4-cell tiles, B=2): a 13-token prefill,
+  then one-token steps to 19 (the staging tile flushes at fill 16) through
+  ``layered_forward(**forward_kw)``. Returns (every call's logits, the last caches, the fn)."""
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
   cfg = model.config
   base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
   plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
   pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
-  runs = {}
-  for depth in (0, 2, 16):
-    fwd = models.layered_forward(model, last_only=True, prefetch_tiles=depth)
-    caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
-    out = [fwd(tokens[:, :13], pos(0, 13), caches)]
-    for i in range(13, 19):  # one-token steps; the staging tile flushes at fill 16
-      out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
-    runs[depth] = ([np.asarray(l) for l, _ in out], out[-1][1], fwd.prefetcher)
-  assert runs[0][2] is None
+  fwd = models.layered_forward(model, last_only=True, **forward_kw)
+  out = [fwd(tokens[:, :13], pos(0, 13), gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32))]
+  for i in range(13, 19):
+    out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
+  return [np.asarray(l) for l, _ in out], out[-1][1], fwd
+
+
+def _assert_same_run(a, b):
+  for x, y in zip(a[0], b[0]):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
+def test_layered_forward_prefetch_equals_no_prefetch(tactic):
+  """The cross-layer Prefetcher (tiles of the next layers and of the next step requested ahead)
+  changes when tiles move, not what is attended: logits and caches equal layered_forward without
+  it, bit for bit, through a prefill, decode steps and a flush, with 2 tiles in flight at most
+  (the flow control waits) and with 16; ahead-requested tiles are actually used."""
+  runs = {depth: _decode_with(tactic, prefetch_tiles=depth, next_tile=False)
+          for depth in (0, 2, 16)}
+  assert runs[0][2].prefetcher is None
   for depth in (2, 16):
-    logits, caches, pf = runs[depth]
-    for a, b in zip(runs[0][0], logits):
-      np.testing.assert_array_equal(a, b)
-    for x, y in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(caches)):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _assert_same_run(runs[0], runs[depth])
+    pf = runs[depth][2].prefetcher
     assert pf.requested > 0 and pf._in_flight() <= depth
   # With room for every tile, every decode step's tiles were requested ahead, by the step
   # before: only the prefill (nothing requested yet) and the tiles a flush adds come late.
-  assert runs[16][2].late < runs[16][2].requested
+  assert runs[16][2].prefetcher.late < runs[16][2].prefetcher.requested
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   with pytest.raises(ValueError, match="prefetch_tiles"):
     models.layered_forward(model, prefetch_tiles=-1)
 
@@ -271,27 +281,13 @@ def test_layered_forward_next_tile_equals_without(tactic):
   step's) changes when a tile moves, not what is attended: logits and caches equal
   layered_forward without it, bit for bit, through a prefill, decode steps and a flush; the
   requested tiles are actually used."""
-  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
-  tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
-  cfg = model.config
-  base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
-  plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
-  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
-  runs = {}
-  for on in (False, True):
-    fwd = models.layered_forward(model, last_only=True, next_tile=on, prefetch_tiles=0)
-    caches = gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32)
-    out = [fwd(tokens[:, :13], pos(0, 13), caches)]
-    for i in range(13, 19):  # one-token steps; the staging tile flushes at fill 16
-      out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
-    runs[on] = ([np.asarray(l) for l, _ in out], out[-1][1], fwd.next_tile)
-  assert runs[False][2] is None
-  for a, b in zip(runs[False][0], runs[True][0]):
-    np.testing.assert_array_equal(a, b)
-  for x, y in zip(jax.tree.leaves(runs[False][1]), jax.tree.leaves(runs[True][1])):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  ahead = runs[True][2]
+  off = _decode_with(tactic, next_tile=False, prefetch_tiles=0)
+  on = _decode_with(tactic, next_tile=True, prefetch_tiles=0)
+  assert off[2].next_tile is None
+  _assert_same_run(off, on)
+  ahead = on[2].next_tile
   assert ahead.hits > 0 and ahead.hits <= ahead.requested
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   with pytest.raises(ValueError, match="next_tile"):
     models.layered_forward(model, next_tile=1)
 
