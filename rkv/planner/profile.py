@@ -231,4 +231,5 @@ H200_DEFAULT = Profile(
     # docs/DESIGN.md §6: the model is the max (perfect overlap), what the eager schedule achieves (§7).
     overlap=1.0,
     device="NVIDIA H200",
-    source="H200_DEFAULT (benchmarks/results/profile_h200_v3.json, docs/DESIGN.md §7)")
+    source="H200_DEFAULT (benchmarks/results/profile_h200_v3.json, its int8 share from "
+           "profile_h200_v5.json; docs/DESIGN.md §7)")
