@@ -16,8 +16,10 @@
 #           it (session4/next_tile/half_nt{1,0}.json, 1m_nt1.json). A second run tried the
 #           request moved after the CPU partial's merge in rkv.rolling._with_cpu_tail (an edit
 #           not kept: half_nt1_after_merge.json beside half_nt0_run2.json, --offload_steps=5).
+#   part g: traces of 128K half-offloaded with NextTile on and off (not run yet: the summary's
+#           h2d_small_copies says whether the CPU partial's upload queues behind a tile).
 # The session's results: benchmarks/results/beyond_hbm/session4/ (a/, b/ and the files of c-e).
-# Usage: bash benchmarks/session4_h200.sh a|b|c|d|e|f
+# Usage: bash benchmarks/session4_h200.sh a|b|c|d|e|f|g
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 P=${P:-benchmarks/results/profile_h200_v3.json}
@@ -92,6 +94,11 @@ print(r); json.dump(r, open('$D/cpu_rates.json', 'w'))" 2>&1 | tail -2
       RKV_NEXT_TILE=$nt T=75 run half_nt$nt 0 --configs=rkv_offload --contexts=131072
     done
     RKV_NEXT_TILE=1 T=100 run 1m_nt1 0 --configs=rkv_offload --budget=auto --contexts=1048576
+    ;;
+  g)
+    for nt in 1 0; do
+      RKV_NEXT_TILE=$nt T=110 tr half128_nt$nt --configs=offload:131072:0.5
+    done
     ;;
 esac
 echo "== done $(date +%T)"
