@@ -12,12 +12,13 @@
 #   part d: traces of 128K half-offloaded with the prefetcher (4 tiles) and of resident 2K / 128K
 #           with command buffers on (FUSION,CUBLAS,CUBLASLT).
 #   part e: 128K half-offloaded with 15 / 12 / 10 CPU-kernel threads.
-#   part f: NextTile ($RKV_NEXT_TILE 1 / 0) at 128K half-offloaded, then 1M (default budget) with
-#           it (session4/next_tile/half_nt{1,0}.json, 1m_nt1.json). A second run tried the
-#           request moved after the CPU partial's merge in rkv.rolling._with_cpu_tail (an edit
-#           not kept: half_nt1_after_merge.json beside half_nt0_run2.json, --offload_steps=5).
-#   part g: traces of 128K half-offloaded with NextTile on and off (not run yet: the summary's
-#           h2d_small_copies says whether the CPU partial's upload queues behind a tile).
+#   part f: at commit 168cbd6 (its NextTile, since removed): $RKV_NEXT_TILE 1 / 0 at 128K
+#           half-offloaded, then 1M (default budget) with it (session4/next_tile/half_nt{1,0}.json,
+#           1m_nt1.json). A second run tried the request moved after the CPU partial's merge in
+#           rkv.rolling._with_cpu_tail (an edit not kept: half_nt1_after_merge.json beside
+#           half_nt0_run2.json, --offload_steps=5).
+#   part g: traces of 128K half-offloaded with the prefetcher (4 tiles) and without (not run yet:
+#           the summary's h2d_small_copies says whether small uploads queue behind tiles).
 # The session's results: benchmarks/results/beyond_hbm/session4/ (a/, b/ and the files of c-e).
 # Usage: bash benchmarks/session4_h200.sh a|b|c|d|e|f|g
 set -uo pipefail
@@ -96,8 +97,8 @@ print(r); json.dump(r, open('$D/cpu_rates.json', 'w'))" 2>&1 | tail -2
     RKV_NEXT_TILE=1 T=100 run 1m_nt1 0 --configs=rkv_offload --budget=auto --contexts=1048576
     ;;
   g)
-    for nt in 1 0; do
-      RKV_NEXT_TILE=$nt T=110 tr half128_nt$nt --configs=offload:131072:0.5
+    for pf in 4 0; do
+      RKV_PREFETCH_TILES=$pf T=110 tr half128_pf$pf --configs=offload:131072:0.5
     done
     ;;
 esac

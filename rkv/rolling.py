@@ -126,8 +126,7 @@ def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int
 
 
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
-            window, softcap, scale, impl, schedule, lookahead, partial_fn, out_dtype=None,
-            after_puts=None):
+            window, softcap, scale, impl, schedule, lookahead, partial_fn, out_dtype=None):
   kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl)
   # Tiles, not KVBlocks: the staging partial then reuses the tile program (same pytree, shapes).
   as_tile = lambda b: stream.Tile(b.k, b.v, b.pos, b.k_scale, b.v_scale)
@@ -144,8 +143,7 @@ def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_sta
   return stream.stream_attention(tiles, lambda tile: partial_fn(q, q_pos, tile, **kw),
                                  schedule=schedule, lookahead=lookahead, resident=resident,
                                  out_shape=q.shape,
-                                 out_dtype=q.dtype if out_dtype is None else out_dtype,
-                                 after_puts=after_puts)
+                                 out_dtype=q.dtype if out_dtype is None else out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -239,7 +237,7 @@ def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):
 def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,
                       tactic="auto", impl="auto", schedule=DEFAULT_SCHEDULE,
                       lookahead=DEFAULT_LOOKAHEAD, cpu_fraction=None, cpu_threads=None,
-                      staged=None, after_puts=None):
+                      staged=None):
   """Exact attention of ``q [B,T,H,D]`` over every cell of ``kv``; returns ``(o, lse)``.
 
   Same semantics as :func:`rkv.attention` (docs/DESIGN.md §2) over the cache's cells and positions;
@@ -265,19 +263,14 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   :mod:`rkv.offload.stream`. ``staged``: the first streamed tiles already on the device, in order
   (a :class:`rkv.offload.stream.Prefetcher`'s, requested while earlier layers ran); the rest are
   requested here as usual. They must be copies of this cache's tiles: only shapes are checked.
-  ``after_puts``: a function called once per call, right after the call's last tail transfer is
-  issued (before them when nothing streams), without arguments: where a caller queues the next
-  layer's first tile (:class:`rkv.offload.stream.NextTile`). Eager only, like the CPU tactics.
   """
   where = "rolling_attention"
   common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
                 schedule=schedule, lookahead=lookahead)
-  if after_puts is not None and not callable(after_puts):
-    raise ValueError(f"{where}: after_puts must be a function or None, got {after_puts!r}")
   if isinstance(kv, HeadSplitKV):
-    if cpu_fraction is not None or cpu_threads is not None or staged or after_puts is not None:
-      raise ValueError(f"{where}: cpu_fraction/cpu_threads/staged/after_puts are not valid with "
-                       f"a HeadSplitKV (tactic='head' streams the rolled heads)")
+    if cpu_fraction is not None or cpu_threads is not None or staged:
+      raise ValueError(f"{where}: cpu_fraction/cpu_threads/staged are not valid with a "
+                       f"HeadSplitKV (tactic='head' streams the rolled heads)")
     return _head_attention(q, kv, q_pos=q_pos, tactic=tactic, where=where, **common)
   q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
                            scale=scale, tactic=tactic, impl=impl, schedule=schedule,
@@ -293,29 +286,22 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
     raise ValueError(f"{where}: tactic={tactic!r} runs the tail's attention on the host CPU over "
                      f"concrete arrays and cannot run under jax.jit (q, q_pos or the cache are "
                      f"tracers); use tactic='stream' inside jit")
-  if after_puts is not None and _tracing(q, q_pos, kv):
-    raise ValueError(f"{where}: after_puts issues eager work and cannot run under jax.jit")
   if not n_tiles and not static["use_staging"] and static["use_window"]:
     # The resident path: nothing lives off the window, so this is exactly rkv.attention, as one
     # jitted program (eager op-by-op dispatch of the kernel's wrapper cost ~0.4 ms on the H200).
     fn = _partial if _tracing(q, q_pos, kv) else _partial_jit
-    if after_puts is not None:
-      after_puts()  # nothing to transfer
     return fn(q, q_pos, kv.window, impl=impl, causal=causal, window=window, softcap=softcap,
               scale=static["scale"])
   n_stream = streamed_count(n_tiles, "stream" if cpu_fraction is None else "hybrid",
                             cpu_fraction)
   if n_stream < n_tiles:
     return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
-                          cpu_threads=cpu_threads, staged=staged, after_puts=after_puts)
+                          cpu_threads=cpu_threads, staged=staged)
   tiles = _tiles(kv, n_tiles, staged)
   if schedule == "eager" and not _tracing(q, q_pos, kv) and not _all_staged(tiles):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                   partial_fn=_partial_jit, after_puts=after_puts, **static)
-  out = _unrolled(q, q_pos, kv.window, kv.staging, tiles, **static)
-  if after_puts is not None:
-    after_puts()  # the program's moves are dispatched with it
-  return out
+                   partial_fn=_partial_jit, **static)
+  return _unrolled(q, q_pos, kv.window, kv.staging, tiles, **static)
 
 
 def _annotated_cpu_tail(*args, **kwargs):
@@ -323,8 +309,7 @@ def _annotated_cpu_tail(*args, **kwargs):
     return cpu_lib.cpu_attention_tail(*args, **kwargs)
 
 
-def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None,
-                   after_puts=None):
+def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None):
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU, the window, staging and tiles
   ``[0, n_stream)`` on the device meanwhile; one exact merge. The CPU share runs in a worker
   thread while this one streams tiles eagerly, else on this thread after the device partials
@@ -346,8 +331,6 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
       with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
         device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
                            **static)
-    if after_puts is not None:
-      after_puts()  # before the kernel holds this thread
     o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw)
     return _merge_cpu(q, device, o_cpu, lse_cpu)
   # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
@@ -359,8 +342,7 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   try:
     with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
       device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                       partial_fn=_partial_jit, out_dtype=jnp.float32, after_puts=after_puts,
-                       **static)
+                       partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
   finally:
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)

@@ -217,12 +217,6 @@ def test_reserve_terms_by_hand_llama3_8b():
   assert rz.DEFAULT_PREFETCH_TILES == 0
   assert d.bytes_of("tiles") == (rkv.offload.stream.DEFAULT_LOOKAHEAD + 1) * 128 * MIB
   assert "tiles 640.0 MiB [5 (lookahead + 1) x 32768 cells x B=1 x K=8]" in d.describe()
-  # NextTile holds the next layer's first tile beside the eager schedule's lookahead + 1.
-  one = 32768 * 8 * 2 * 128 * 2
-  assert rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, next_tile=True,
-                           **LLAMA3_8B_SIZES).bytes_of("tiles") == 6 * one
-  assert rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, next_tile=False,
-                           **LLAMA3_8B_SIZES).bytes_of("tiles") == 5 * one
   r = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
   assert [n for n, _, _ in r.terms] == ["tiles", "decode", "prefill", "logits", "workspace"]
   # 8 prefetched tiles of 32768 cells x 8 heads x (K+V) x 128 x 2 bytes = 8 x 128 MiB.

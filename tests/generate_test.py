@@ -260,8 +260,7 @@ def test_layered_forward_prefetch_equals_no_prefetch(tactic):
   changes when tiles move, not what is attended: logits and caches equal layered_forward without
   it, bit for bit, through a prefill, decode steps and a flush, with 2 tiles in flight at most
   (the flow control waits) and with 16; ahead-requested tiles are actually used."""
-  runs = {depth: _decode_with(tactic, prefetch_tiles=depth, next_tile=False)
-          for depth in (0, 2, 16)}
+  runs = {depth: _decode_with(tactic, prefetch_tiles=depth) for depth in (0, 2, 16)}
   assert runs[0][2].prefetcher is None
   for depth in (2, 16):
     _assert_same_run(runs[0], runs[depth])
@@ -273,23 +272,6 @@ def test_layered_forward_prefetch_equals_no_prefetch(tactic):
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   with pytest.raises(ValueError, match="prefetch_tiles"):
     models.layered_forward(model, prefetch_tiles=-1)
-
-
-@pytest.mark.parametrize("tactic", ["stream", "hybrid"])
-def test_layered_forward_next_tile_equals_without(tactic):
-  """NextTile (each streaming layer requests the next one's first tile, the last layer the next
-  step's) changes when a tile moves, not what is attended: logits and caches equal
-  layered_forward without it, bit for bit, through a prefill, decode steps and a flush; the
-  requested tiles are actually used."""
-  off = _decode_with(tactic, next_tile=False, prefetch_tiles=0)
-  on = _decode_with(tactic, next_tile=True, prefetch_tiles=0)
-  assert off[2].next_tile is None
-  _assert_same_run(off, on)
-  ahead = on[2].next_tile
-  assert ahead.hits > 0 and ahead.hits <= ahead.requested
-  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
-  with pytest.raises(ValueError, match="next_tile"):
-    models.layered_forward(model, next_tile=1)
 
 
 # ----------------------------------------------------------------------------------------------

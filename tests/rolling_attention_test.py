@@ -208,61 +208,6 @@ def test_eager_issue_order(monkeypatch, lookahead):
   assert_kinds(kv)
 
 
-@pytest.mark.parametrize("lookahead", [2, None])
-def test_after_puts_follows_the_last_transfer(monkeypatch, lookahead):
-  """``after_puts`` runs once per call, right after the last tail transfer is issued (where a
-  caller queues the next layer's first tile), and changes nothing attended."""
-  case = Case("after", s=80, window_cells=10, tile=16)
-  q, k, v, *_ = make(case, seed=3)
-  kv = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
-  log = _spy_eager(monkeypatch)
-  o, lse = rkv.rolling_attention(q, kv, impl="xla", lookahead=lookahead,
-                                 after_puts=lambda: log.append(("after",)))
-  assert log.count(("after",)) == 1
-  last_put = max(i for i, e in enumerate(log) if e[0] == "put")
-  assert log[last_put + 1] == ("after",)
-  check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
-
-
-@pytest.mark.parametrize("tactic", ["stream", "cpu", "hybrid"])
-def test_after_puts_once_per_call_every_path(tactic):
-  """Every path calls it exactly once: tiles streamed, none streamed (cpu), all in the window,
-  the unrolled schedule; it is refused where it cannot run."""
-  case = Case("after2", s=70, window_cells=10, tile=16)
-  q, k, v, *_ = make(case, seed=4)
-  calls = []
-  for kv in (rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16),
-             rkv.RollingKV.from_arrays(k[:, :8], v[:, :8], window_cells=8, tile_cells=16)):
-    for schedule in ("eager", "unrolled") if tactic == "stream" else ("eager",):
-      n = len(calls)
-      rkv.rolling_attention(q, kv, impl="xla", tactic=tactic, schedule=schedule,
-                            after_puts=lambda: calls.append(1))
-      assert len(calls) == n + 1
-  with pytest.raises(ValueError, match="after_puts"):
-    rkv.rolling_attention(q, kv, impl="xla", after_puts=1)
-  with pytest.raises(ValueError, match="after_puts"):
-    jax.jit(lambda q, kv: rkv.rolling_attention(q, kv, impl="xla", after_puts=lambda: None))(q, kv)
-
-
-def test_next_tile_hands_over_only_its_own_tile():
-  kv = rkv.RollingKV.from_arrays(*make(Case("nt", s=70, window_cells=10, tile=16), seed=5)[1:3],
-                                 window_cells=10, tile_cells=16)
-  tiles = rkv.rolling.streamed_tiles(kv.with_tactic("stream"))
-  ahead = stream.NextTile()
-  ahead.request(3, tiles)
-  assert ahead.take(2, tiles) == ()      # another layer's: dropped
-  assert ahead.take(3, tiles) == ()      # already dropped
-  ahead.request(3, tiles)
-  assert ahead.take(3, tiles[1:]) == ()  # not that layer's first tile any more
-  ahead.request(3, tiles)
-  (got,) = ahead.take(3, tiles)
-  assert memory.memory_kind(got.k) == memory.DEVICE and got.pos is tiles[0].pos
-  np.testing.assert_array_equal(np.asarray(got.k), np.asarray(tiles[0].k))
-  assert (ahead.requested, ahead.hits) == (3, 1)
-  ahead.request(4, ())                   # nothing streams there: nothing held
-  assert ahead.take(4, tiles) == ()
-
-
 def test_eager_compiles_one_tile_program():
   # Every tile (and the staging tile, same shape) reuses one compiled partial: a cache with more
   # tiles adds no compilation of it. (d=24 appears in no other test, so the count is ours.)

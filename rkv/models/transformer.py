@@ -411,7 +411,7 @@ def _fused_default() -> bool:
 
 def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
                     schedule: str | None = None, prefetch_tiles: int | None = None,
-                    fused: bool | None = None, next_tile: bool | None = None):
+                    fused: bool | None = None):
   """``fn(tokens, positions=None, caches)`` -> ``(logits, new_caches)``, the same computation
   as ``model(tokens, positions, caches)`` for caches that cannot run under one ``jit``: those
   with a *static* fill (``jittable`` False: a :class:`rkv.RollingKV` whatever its tactic, a
@@ -440,13 +440,6 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   requests its own tiles; on the H200 the host, not the link, bounds the offloaded step, and the
   prefetcher measured slower: see that constant). They are device memory on top of the plan's
   (the planner's reserve counts them when ``ResidencyConfig.prefetch_tiles`` says so).
-
-  ``next_tile``: while a layer streams, request the next streaming layer's first tile right behind
-  its own transfers (one :class:`rkv.offload.stream.NextTile` shared by every call, so the last
-  layer requests the next step's first), so the link works through the host's part between two
-  layers; one tile of device memory on top of the eager schedule's. Default
-  ``rkv.offload.stream.DEFAULT_NEXT_TILE`` (``$RKV_NEXT_TILE``, else off: it measured slower on
-  the H200, see that constant). Ignored when a prefetcher is on, and by the fused step.
 
   ``fused``: run a decode step's rolling layers as two programs a layer plus the CPU kernel
   (:mod:`rkv.models.fused_decode`: the merge, ``post_attention``, the next ``pre_attention`` and
@@ -483,11 +476,6 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     raise ValueError(f"layered_forward: prefetch_tiles must be a non-negative int, got "
                      f"{prefetch_tiles!r}")
   prefetcher = stream_lib.Prefetcher(prefetch_tiles) if prefetch_tiles else None
-  if next_tile is not None and not isinstance(next_tile, bool):
-    raise ValueError(f"layered_forward: next_tile must be a bool or None (None: $RKV_NEXT_TILE), "
-                     f"got {next_tile!r}")
-  next_tile = stream_lib.DEFAULT_NEXT_TILE if next_tile is None else next_tile
-  ahead = stream_lib.NextTile() if next_tile and prefetcher is None else None
   planned = [None]  # the caches the prefetcher's current plan was made for
 
   def plan_prefetch(caches):
@@ -508,11 +496,6 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
-    # NextTile: the layers that stream, in order, and who requests whose first tile (each
-    # streaming layer the next one's; the last one the next step's first, from its new cache).
-    streaming = ([i for i, c in enumerate(caches) if c.streamed_tiles()] if ahead is not None
-                 else [])
-    follower = dict(zip(streaming, streaming[1:]))
     chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
              if fused else None)
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
@@ -531,17 +514,13 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         with jax.profiler.TraceAnnotation("rkv.layer.pre"):
           q, k, v = pre(leaves, x, rope_cs)
         kw = attn_kw[i]
-        tiles = cache.streamed_tiles() if prefetcher is not None or i in follower or (
-            streaming and i == streaming[-1]) else ()
-        if tiles and prefetcher is not None:
+        tiles = cache.streamed_tiles() if prefetcher is not None else ()
+        if tiles:
           with jax.profiler.TraceAnnotation("rkv.prefetch.take"):
             kw = dict(kw, staged=prefetcher.take(i, tiles))
-        elif tiles:
-          kw = dict(kw, staged=ahead.take(i, tiles),
-                    after_puts=_next_request(ahead, i, follower, streaming, caches, new_caches))
         with jax.profiler.TraceAnnotation("rkv.layer.attend"):
           o, cache = cache.attend(q, k, v, positions, **kw)
-        if tiles and prefetcher is not None:
+        if tiles:
           # Its waits and requests, in traces: with 4 tiles the layers' host parts outside
           # attend/pre/post took ~0.8 ms a layer (benchmarks/results/beyond_hbm/session4/
           # trace_half128_p4.json), unannotated then.
@@ -560,20 +539,5 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     return leave(edge_leaves, x[:, -1:] if last_only else x, last_only), new_caches
 
   fn.prefetcher = prefetcher
-  fn.next_tile = ahead
 
   return fn
-
-
-def _next_request(ahead, i, follower, streaming, caches, new_caches):
-  """Layer ``i``'s ``after_puts``: the next streaming layer's first tile (this step's, or the
-  next step's first streaming layer's, whose new cache holds the same host tiles)."""
-  def request():
-    with jax.profiler.TraceAnnotation("rkv.next_tile"):
-      if i in follower:
-        j = follower[i]
-        ahead.request(j, caches[j].streamed_tiles())
-      else:
-        j = streaming[0]
-        ahead.request(j, new_caches[j].streamed_tiles() if j < len(new_caches) else ())
-  return request

@@ -144,8 +144,8 @@ def _wait(partial: Partial) -> None:
 def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *,
                      schedule: str = DEFAULT_SCHEDULE, lookahead: int | None = DEFAULT_LOOKAHEAD,
                      resident: Callable[[], list[Partial]] | None = None,
-                     out_shape: tuple[int, ...], out_dtype, device: jax.Device | None = None,
-                     after_puts: Callable[[], None] | None = None) -> Partial:
+                     out_shape: tuple[int, ...], out_dtype, device: jax.Device | None = None
+                     ) -> Partial:
   """Attention over ``resident()`` partials plus every tile of ``tiles`` (see the module docs).
 
   ``tiles``: the tiles to stream (host K/V and scales, device positions). ``attend(tile) -> (o,
@@ -154,9 +154,6 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
   after the first ``lookahead`` transfers are issued, so its device work hides them. ``out_shape``
   is ``o``'s ``[B,T,H,D]``. Returns ``(o, lse)`` with ``o`` in ``out_dtype``; every merge is exact
   (float32 LSE-weighted). ``device``: where eager transfers go (default: the first device).
-  ``after_puts``: called once, right after the last of this call's transfers is issued (eager;
-  with ``"unrolled"`` at the end), so a caller can queue the next layer's first tile behind them
-  (:class:`NextTile`).
   """
   validation.check_choice("stream_attention", "schedule", schedule, SCHEDULES)
   check_lookahead(lookahead, "stream_attention")
@@ -167,9 +164,6 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
   # The first transfers go before the resident partials (one call when eager).
   queue = collections.deque(put_many_eager(tiles[:depth], device) if eager
                             else [put(tiles[i]) for i in range(depth)])
-  if eager and after_puts is not None and depth == n:
-    after_puts()  # every transfer is issued
-    after_puts = None
   partials = list(resident()) if resident is not None else []
   streamed = []
   for i in range(n):
@@ -179,80 +173,12 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
       if eager and lookahead is not None and i and not on_device(tiles[i + depth]):
         _wait(streamed[i - 1])
       queue.append(put(tiles[i + depth]))
-      if eager and after_puts is not None and i + depth == n - 1:
-        after_puts()
-        after_puts = None
     streamed.append(attend(queue.popleft()))
   partials += streamed
-  if after_puts is not None:
-    after_puts()
   if not partials:
     b, t, h, _ = out_shape
     return jnp.zeros(out_shape, out_dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32)
   return (_merge_jit if eager else merge_all)(partials, out_dtype=out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Across layers: one tile ahead (NextTile), the Prefetcher
-# ----------------------------------------------------------------------------------------------
-# NextTile, when on: traced on the H200 (128K half-offloaded and 1M, the hybrid tactic streaming
-# two of a layer's three tail tiles), the host-to-device copies idle through ~1 ms of each layer's
-# serial host work (the CPU partial's merge, the append, the next layer's projections and its
-# query's copy down), because a layer's transfers are issued only when the host reaches it
-# (benchmarks/results/beyond_hbm/session3/trace_half128_general.json). The Prefetcher removed the
-# idling but made each layer's host part longer (its bookkeeping, and a layer whose tiles are all
-# staged runs its CPU share on the dispatching thread), and measured slower
-# (benchmarks/results/beyond_hbm/session4/). NextTile requests only the next streaming layer's
-# first tile, right behind this layer's own, and leaves every layer on the general path.
-# Measured slower too, so off ($RKV_NEXT_TILE=1 turns it on for a process): 128K half-offloaded
-# 6.70 tok/s with it against 7.57 without, 1M 6.28 (6.97-7.13 without, other runs of that
-# session); with the request moved after the CPU partial's merge, 4.92 against 7.39
-# (benchmarks/results/beyond_hbm/session4/next_tile/). So an idle link between layers is not
-# what holds these steps; what a moved transfer delays is not traced yet.
-NEXT_TILE_ENV = "RKV_NEXT_TILE"
-
-
-def _next_tile_from_env() -> bool:
-  raw = os.environ.get(NEXT_TILE_ENV, "").strip().lower() or "0"
-  if raw not in ("0", "1", "false", "true", "off", "on"):
-    raise ValueError(f"${NEXT_TILE_ENV} must be 0/1 (false/true, off/on), got {raw!r}")
-  return raw in ("1", "true", "on")
-
-
-DEFAULT_NEXT_TILE = _next_tile_from_env()
-
-
-class NextTile:
-  """Keeps at most one tile in flight across layers: the first streamed tile of the next layer
-  that streams, requested (:meth:`request`, from the current layer's ``after_puts``) as soon as
-  the current layer's own transfers are issued, so the copy engine works through the host's
-  work between the two layers. :meth:`take` hands it to its layer as ``staged``, if it is still
-  that layer's first tile (tail tiles are immutable once full: a flush adds a tile, never
-  rewrites one); otherwise it is dropped. Its device memory is one tile on top of the eager
-  schedule's ``lookahead + 1``."""
-
-  def __init__(self, device: jax.Device | None = None):
-    self.device = device
-    self._ahead: tuple[int, object, Tile] | None = None  # (layer, host k, device tile)
-    self.requested = 0  # counters for benchmarks and tests
-    self.hits = 0
-
-  def request(self, layer: int, tiles: Sequence[Tile]) -> None:
-    """Issues the transfer of ``tiles[0]`` (host tiles of layer ``layer``), replacing any tile
-    held for another layer."""
-    self._ahead = None
-    if tiles and not on_device(tiles[0]):
-      self._ahead = (layer, tiles[0].k, put_eager(tiles[0], self.device))
-      self.requested += 1
-
-  def take(self, layer: int, tiles: Sequence[Tile]) -> tuple[Tile, ...]:
-    """``(device tile,)`` when the tile held is layer ``layer``'s ``tiles[0]``, else ``()``; the
-    tile held is released either way."""
-    got, self._ahead = self._ahead, None
-    if got is None or not tiles or got[0] != layer or got[1] is not tiles[0].k:
-      return ()
-    self.hits += 1
-    return (got[2],)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +192,13 @@ class NextTile:
 # step is bound by the host's Python per layer, not by an idle link, and the prefetcher's own
 # bookkeeping made it slower: 128K half-offloaded 6.36 tok/s without it vs 5.73 with 8 tiles, 1M
 # tokens (default budget) 6.52 vs 5.44 (benchmarks/results/beyond_hbm/ab_prefetch{0,8}.json).
+# Later, with the step bound by PCIe (a layer's copies idle through ~1 ms of its host work), it
+# was slower still: 128K half 7.45 tok/s off vs 4.19 / 5.41 with 4 / 6 tiles, 1M 6.97 vs 6.38 /
+# 5.13; traced, the copies stayed as busy and each layer's host part grew
+# (benchmarks/results/beyond_hbm/session4/). A lighter form that queued only the next streaming
+# layer's first tile behind the current layer's puts (commit 168cbd6, removed again) was slower
+# too: 6.70 vs 7.57 tok/s at 128K half (session4/next_tile/). So an idle link between layers is
+# not what holds these steps; a moved transfer delays something not yet traced.
 PREFETCH_TILES_ENV = "RKV_PREFETCH_TILES"
 
 

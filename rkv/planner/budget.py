@@ -76,13 +76,11 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
                    prefetch_tiles: int = DEFAULT_PREFETCH_TILES,
                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, vocab_size: int | None = None,
                    hidden_size: int | None = None, intermediate_size: int | None = None,
-                   tile_bytes: int | None = None,
-                   next_tile: bool = stream_lib.DEFAULT_NEXT_TILE) -> Reserve:
+                   tile_bytes: int | None = None) -> Reserve:
   """The device memory a run needs beside its KV caches and weights, from what it runs:
 
   - ``tiles``: the streamed tail tiles on the device at once: ``prefetch_tiles`` of a prefetcher's
-    (when > 0), else the eager schedule's ``lookahead + 1`` of the layer attending (plus the next
-    layer's first with ``next_tile``: ``rkv.offload.stream.NextTile``); each
+    (when > 0), else the eager schedule's ``lookahead + 1`` of the layer attending; each
     ``B x tile_cells`` cells of all K heads (K/V and int8 scales; their positions are in the layout already). ``tile_bytes``
     replaces one tile's bytes (a plan's largest streamed tile; 0 when nothing streams). Capped
     like the prefetcher's own room (``rkv.offload.stream.prefetch_room``: at most
@@ -103,17 +101,15 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   b, k, d, h = batch, shape.num_kv_heads, shape.head_dim, shape.query_heads
   one_tile = b * tile_cells * sz.cell if tile_bytes is None else int(tile_bytes)
   # Without a prefetcher the eager stream schedule holds lookahead + 1 tiles of a layer.
-  ahead = 1 if next_tile and not prefetch_tiles else 0
   in_flight = (stream_lib.prefetch_room(one_tile, prefetch_tiles) if prefetch_tiles
-               else (stream_lib.DEFAULT_LOOKAHEAD + 1 + ahead) * one_tile)
+               else (stream_lib.DEFAULT_LOOKAHEAD + 1) * one_tile)
   prefetched = bool(prefetch_tiles)
   if not prefetched:
-    prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1 + ahead
+    prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1
   cap = (f", at most {stream_lib.DEFAULT_PREFETCH_BYTES / MIB:.0f} MiB"
          if stream_lib.prefetch_room(one_tile, prefetch_tiles) < prefetch_tiles * one_tile else "")
-  eager = ' (lookahead + 2: + the next layer\'s first)' if ahead else ' (lookahead + 1)'
-  how_tile = (f"{prefetch_tiles}{'' if prefetched else eager} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
-              else f"{prefetch_tiles}{'' if prefetched else eager} x {one_tile} bytes, "
+  how_tile = (f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
+              else f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {one_tile} bytes, "
                    f"the plan's largest streamed tile{cap}"
               if one_tile else "nothing streams")
   layers = min(DECODE_LAYERS_IN_FLIGHT, shape.num_layers)

@@ -29,9 +29,9 @@ READABLE_PROFILE_VERSIONS = (1, 2, 3)
 # that did not measure it (cpu_int8_share None). The kernel's cost is per cell, not per byte: the
 # same FMAs and softmax whatever the dtype (int8 sign-extends where bf16 shifts), and an int8
 # cell-head is 2 * 128 + 8 bytes against bf16's 2 * 256. On the dev box (one thread, tiles in
-# cache and out) both ran at 2.25-2.28 M cells/s, so int8 read 0.52 of bf16's bytes/s; the 2M
-# int8 plan that assumed bf16's bytes/s put twice the CPU's share on it (the H200 trace of
-# benchmarks/results/beyond_hbm/session3/trace_2097152.json: 15.4 ms of CPU a layer).
+# cache and out) both ran at 2.25-2.28 M cells/s, so int8 read 0.52 of bf16's bytes/s. With
+# bf16's bytes/s the 2M int8 default plan put 3 of a layer's 6 tail tiles on the CPU; with the
+# measured share (and with this fallback) it puts 2.
 INT8_CPU_SHARE_FALLBACK = 264 / 512
 
 
