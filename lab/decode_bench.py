@@ -52,7 +52,9 @@ step streams or reads on the host. Link rate of a layer: ``stream`` PCIe (``pcie
 ``host_read_gbps``), ``hybrid`` both sides at once at their contended rates
 (:func:`rkv.planner.hybrid_rates`, summed: an optimal split moves the tail at their sum).
 Layers run one after another, so their tail times add. Fixed costs (call overheads, the first
-transfer's latency) are not in the bound. Rates are the plan's profile's (``profile_path``). The
+transfer's latency) are not in the bound. Rates are the plan's profile's (``profile_path``), for
+the cache's dtype (``Profile.for_kv_dtype``: an int8 tail's CPU rates are the kernel's int8 share
+of its bf16 ones). The
 row gets ``bound_s``, ``bound_tokens_per_s`` (``batch / bound_s``), ``bound_ratio`` (``step_s /
 bound_s``), ``device_bytes``, ``tail_bytes``, ``hbm_gbps``, ``link_gbps`` (tactic -> GB/s used),
 ``bound_by`` (``device`` or ``tail``).
