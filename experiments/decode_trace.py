@@ -41,6 +41,9 @@ _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planne
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.", lower_bound=1)
 _KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, ["int8"], "The caches' dtype (default: the model's).")
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
+_XPLANE_DIR = flags.DEFINE_string("xplane_dir", None, "Also keep each row's raw trace here, "
+                                  "gzipped (<config>.xplane.pb.gz, colons as '_'): the event "
+                                  "timeline the summary aggregates, for offline analysis.")
 
 
 KINDS = ("resident", "offload", "beyond")
@@ -72,6 +75,16 @@ def _caches(kind, mc, ctx, share, key, profile):
     return db.build_caches(cfg, mc, ctx, key), cfg.fill(ctx), {}
   plan, info = db._offload_plan(cfg, mc, ctx)
   return db.build_caches(cfg, mc, ctx, key, plan), cfg.fill(ctx), info
+
+
+def _keep_xplane(path: str, spec: str) -> str:
+  import gzip
+  import shutil
+  os.makedirs(_XPLANE_DIR.value, exist_ok=True)
+  dst = os.path.join(_XPLANE_DIR.value, spec.replace(":", "_") + ".xplane.pb.gz")
+  with open(path, "rb") as src, gzip.open(dst, "wb") as out:
+    shutil.copyfileobj(src, out)
+  return dst
 
 
 def main(argv):
@@ -127,6 +140,8 @@ def main(argv):
         row["traced_step_ms"] = [1e3 * t for t in t_tr]
         pb = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
         row["trace"] = summarize(pb[-1], _TOP.value)
+        if _XPLANE_DIR.value:
+          row["xplane"] = _keep_xplane(pb[-1], spec)
       print(json.dumps({k: row[k] for k in row if k != "trace"}), flush=True)
     except Exception as e:  # noqa: BLE001 - keep the other rows
       import traceback
