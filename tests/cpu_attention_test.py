@@ -446,3 +446,15 @@ def test_cc_pointing_nowhere_is_an_error(monkeypatch):
   monkeypatch.setenv("CC", "/nonexistent/rkv-cc")  # PATH still has a compiler: CC must win
   with pytest.raises(cpu_build.CompilerNotFoundError, match=r"\$CC='/nonexistent/rkv-cc' is not"):
     cpu_build.find_compiler()
+
+
+def test_cpu_march_env_selects_the_build(monkeypatch):
+  from rkv.offload import cpu_build
+  monkeypatch.delenv(cpu_build.MARCH_ENV, raising=False)
+  default = cpu_build.arch_flags()
+  default_key = cpu_build.build_key()
+  monkeypatch.setenv(cpu_build.MARCH_ENV, "x86-64-v4")
+  assert cpu_build.arch_flags() == ("-march=x86-64-v4",)
+  assert cpu_build.build_key() != default_key  # a separate cached library, never the other one
+  monkeypatch.setenv(cpu_build.MARCH_ENV, " ")
+  assert cpu_build.arch_flags() == default

@@ -46,7 +46,20 @@ class CompilerNotFoundError(RuntimeError):
   """No C compiler to build the CPU-tail kernel, and no prebuilt library given."""
 
 
+MARCH_ENV = "RKV_CPU_MARCH"
+
+
 def arch_flags() -> tuple[str, ...]:
+  """``-march`` of the build: ``$RKV_CPU_MARCH`` if set (e.g. ``x86-64-v4`` for an AVX-512 host;
+  the library then runs only on such hosts), else ``x86-64-v3`` on x86-64, else none.
+
+  The kernel's intrinsics are AVX2, so x86-64-v4 only gives the compiler AVX-512's 32 vector
+  registers and encodings: on the H200 host (Xeon, AVX-512 and AMX) it read 77.7 GB/s bf16 and
+  50.9 int8 against v3's 75.4 and 51.1, the same (15 threads, 512K cells;
+  benchmarks/results/beyond_hbm/session5/b/cpu_rates_v*.json). A real gain needs 512-bit code."""
+  march = os.environ.get(MARCH_ENV, "").strip()
+  if march:
+    return (f"-march={march}",)
   if platform.machine().lower() in ("x86_64", "amd64"):
     # x86-64-v3 = AVX2 + FMA + F16C + BMI: what the intrinsics path needs, portable across hosts.
     return ("-march=x86-64-v3",)
