@@ -247,16 +247,29 @@ class RollingKV:
     ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``staged``)."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES
-    with jax.profiler.TraceAnnotation("rkv.append"):
-      new = self.append(k, v, positions)
     tactic, share = self.tactic, self.cpu_fraction
     if tactic in tactics.HOST_KERNEL and q.shape[1] > MAX_DECODE_QUERIES:
       # A prefill chunk's tail attention is compute-bound (T queries per key read), where the CPU
       # cores are ~100x slower than the GPU; the cpu/hybrid split is for the memory-bound decode
       # step. The chunk streams its tail instead (the same cells, merged the same way).
       tactic, share = "stream", None
-    o, _ = rolling.rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
-                                     cpu_fraction=share, **kw)
+    kw = dict(dict(window=None, softcap=None, scale=None, impl="auto",
+                   schedule=rolling.DEFAULT_SCHEDULE, lookahead=rolling.DEFAULT_LOOKAHEAD,
+                   cpu_threads=None, staged=None), **kw)
+    # A decode step's CPU share and its first streamed tiles start before the append is
+    # dispatched (rolling.early_cpu_share and rolling.early_puts say why); the append changes
+    # neither unless it fills a tile, and then early_cpu_share declines.
+    common = {n: kw[n] for n in ("window", "softcap", "scale", "impl", "schedule", "lookahead")}
+    cpu_future = rolling.early_cpu_share(self, q, positions, np.shape(k)[1], tactic=tactic,
+                                         cpu_fraction=share, cpu_threads=kw["cpu_threads"],
+                                         **common)
+    if kw["staged"] is None:
+      kw["staged"] = rolling.early_puts(self, q, tactic=tactic, cpu_fraction=share,
+                                        schedule=kw["schedule"], lookahead=kw["lookahead"])
+    with jax.profiler.TraceAnnotation("rkv.append"):
+      new = self.append(k, v, positions)
+    o, _ = rolling._rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
+                                      cpu_fraction=share, cpu_future=cpu_future, **kw)
     return o, new
 
   def streamed_tiles(self) -> tuple:

@@ -49,12 +49,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import os
 import threading
 
 import jax
 import jax.numpy as jnp
 
-from rkv.attention import IMPLS, attention
+from rkv.attention import IMPLS, MAX_DECODE_QUERIES, attention
 from rkv import cache as cache_lib
 from rkv import tactics as tactics_lib
 from rkv import validation
@@ -123,6 +124,91 @@ def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int
     frac = DEFAULT_CPU_FRACTION if cpu_fraction is None else cpu_fraction
     return n_tiles - math.floor(frac * n_tiles + 0.5)  # half up
   return n_tiles
+
+
+# $RKV_EARLY_PUTS=0 turns early_puts off for a process (same-run A/Bs; on by default).
+EARLY_PUTS_ENV = "RKV_EARLY_PUTS"
+EARLY_PUTS = os.environ.get(EARLY_PUTS_ENV, "1").strip() != "0"
+
+
+def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
+               schedule: str = DEFAULT_SCHEDULE,
+               lookahead: int | None = DEFAULT_LOOKAHEAD) -> tuple[stream.Tile, ...] | None:
+  """The first tiles a decode step of ``q [B,T,H,D]`` will stream from ``kv``, their
+  host→device transfers issued now, for ``rolling_attention(staged=...)``; None when nothing
+  applies (not the eager schedule, a prefill chunk, nothing streamed, traced arrays).
+
+  What it is for: :meth:`rkv.RollingKV.attend` calls it before its append, so the link starts on
+  the layer's tiles while the host still dispatches the append. Traced on the H200 (128K
+  half-offloaded, 2 of 3 tiles streamed a layer, benchmarks/results/beyond_hbm/session5/xplane/):
+  the link idled ~1.07 ms of every ~4.4 ms layer, from the end of one layer's copies to the
+  next layer's first copy, ~0.45 ms of it the append's host dispatch. With this alone the first
+  copy started 0.56 ms earlier in the layer, but the puts cost the host ~0.5 ms themselves and the
+  step did not move (6.91 vs 6.89 tok/s, session5/b/); with :func:`early_cpu_share` too, 1M ran
+  faster (below). The streamed tiles are a prefix of the full tiles and full tiles are never
+  rewritten (a flush adds one at the end), so the tiles requested before the append are the ones
+  attended after it; as many as the eager schedule would request up front (``lookahead``), so no
+  more device memory than without it."""
+  if (not EARLY_PUTS or schedule != "eager" or not isinstance(kv, cache_lib.RollingKV)
+      or jnp.shape(q)[1] > MAX_DECODE_QUERIES or _tracing(q, kv)):
+    return None
+  tactic = "stream" if tactic == "auto" else tactic
+  if tactic not in ("stream", "hybrid"):
+    return None
+  n = streamed_count(kv.n_full_tiles, tactic, cpu_fraction)
+  depth = n if lookahead is None else min(lookahead, n)
+  if depth <= 0:
+    return None
+  return tuple(stream.put_many_eager(_tiles(kv, depth)))
+
+
+EARLY_CPU_ENV = "RKV_EARLY_CPU"
+EARLY_CPU = os.environ.get(EARLY_CPU_ENV, "1").strip() != "0"
+
+
+def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: float | None,
+                    causal=True, window=None, softcap=None, scale=None, impl="auto",
+                    schedule: str = DEFAULT_SCHEDULE, lookahead=DEFAULT_LOOKAHEAD,
+                    cpu_threads=None):
+  """Starts the CPU share of a hybrid decode step over ``kv`` before ``t_new`` cells are
+  appended to it: the future for ``_rolling_attention(cpu_future=...)``, or None when that does
+  not apply ($RKV_EARLY_CPU=0, not eager, not ``hybrid``, nothing streamed or nothing on the CPU,
+  a prefill chunk, traced arrays, or an append that fills a tile: then the tiles change).
+
+  Why: on the H200 a hybrid layer's critical path is the CPU chain (q down, the kernel, its
+  partial up, the merge, the next layer's q) more than the link: traced at 128K half-offloaded
+  (benchmarks/results/beyond_hbm/session5/xplane/), the link was busy 3.3 ms of a ~4.4 ms layer
+  while the worker started only after the host had dispatched the append, ~0.7-1 ms into it. The
+  CPU share reads only q and the full tail tiles ``[n_stream, n_full)``; an append that fills no
+  tile changes neither (new cells go to the window or the staging buffer, attended on the
+  device).
+
+  Measured with :func:`early_puts` (both on or both off, $RKV_EARLY_CPU / $RKV_EARLY_PUTS; 1M
+  tokens, default budget, three alternating pairs in one run, session5/e/): 7.63 / 7.18 / 7.58
+  tok/s on, 7.05 / 6.53 / 7.25 off (medians 7.58 vs 7.05). At 128K half-offloaded it is within
+  the run-to-run spread: 7.17 on against 6.55 and 7.12 off, run before and after it (session5/d/).
+  What it costs: the kernel now runs while this thread dispatches, and the 16 host cores are
+  then oversubscribed (15 kernel threads, this thread, PJRT's). In a trace on a slow machine
+  (session5/c/, where this row ran 4.00 tok/s with both off) the kernel took 3.7 ms and the
+  append 1.1 ms (medians), against 1.8 and 0.5 ms in a trace without the early CPU share on
+  another machine (session5/b/); 12 and 10 kernel threads were not faster (6.98, 6.16 tok/s,
+  session5/d/)."""
+  if (not EARLY_CPU or schedule != "eager" or tactic != "hybrid"
+      or not isinstance(kv, cache_lib.RollingKV) or jnp.shape(q)[1] > MAX_DECODE_QUERIES
+      or _tracing(q, q_pos, kv)):
+    return None
+  n_tiles = kv.n_full_tiles
+  if max(kv.fill + t_new - kv.window_cells, 0) // kv.tile_cells != n_tiles:
+    return None
+  n_stream = streamed_count(n_tiles, tactic, cpu_fraction)
+  if not 0 < n_stream < n_tiles:
+    return None
+  q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
+                           scale=scale, tactic=tactic, impl=impl, schedule=schedule,
+                           lookahead=lookahead, where="early_cpu_share")
+  cpu_kw = _cpu_kwargs(q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
+                       cpu_threads=cpu_threads)
+  return _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
 
 
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
@@ -264,6 +350,16 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
   (a :class:`rkv.offload.stream.Prefetcher`'s, requested while earlier layers ran); the rest are
   requested here as usual. They must be copies of this cache's tiles: only shapes are checked.
   """
+  return _rolling_attention(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
+                            scale=scale, tactic=tactic, impl=impl, schedule=schedule,
+                            lookahead=lookahead, cpu_fraction=cpu_fraction,
+                            cpu_threads=cpu_threads, staged=staged)
+
+
+def _rolling_attention(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, schedule,
+                       lookahead, cpu_fraction, cpu_threads, staged, cpu_future=None):
+  """:func:`rolling_attention`; ``cpu_future``: the hybrid CPU share already started by
+  :func:`early_cpu_share` for these tiles (RollingKV.attend's decode step)."""
   where = "rolling_attention"
   common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
                 schedule=schedule, lookahead=lookahead)
@@ -296,7 +392,7 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
                             cpu_fraction)
   if n_stream < n_tiles:
     return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
-                          cpu_threads=cpu_threads, staged=staged)
+                          cpu_threads=cpu_threads, staged=staged, cpu_future=cpu_future)
   tiles = _tiles(kv, n_tiles, staged)
   if schedule == "eager" and not _tracing(q, q_pos, kv) and not _all_staged(tiles):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
@@ -309,23 +405,34 @@ def _annotated_cpu_tail(*args, **kwargs):
     return cpu_lib.cpu_attention_tail(*args, **kwargs)
 
 
-def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None):
+def _cpu_kwargs(q_pos, static, *, n_stream, n_tiles, cpu_threads) -> dict:
+  return dict(q_pos=q_pos, causal=static["causal"], window=static["window"],
+              softcap=static["softcap"], scale=static["scale"],
+              num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
+
+
+def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None,
+                   cpu_future=None):
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU, the window, staging and tiles
   ``[0, n_stream)`` on the device meanwhile; one exact merge. The CPU share runs in a worker
   thread while this one streams tiles eagerly, else on this thread after the device partials
   (one program) are dispatched."""
   n_tiles = kv.n_full_tiles
-  cpu_kw = dict(q_pos=q_pos, causal=static["causal"], window=static["window"],
-                softcap=static["softcap"], scale=static["scale"],
-                num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
+  cpu_kw = _cpu_kwargs(q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
+                       cpu_threads=cpu_threads)
   device_part = n_stream or static["use_window"] or static["use_staging"]
   tiles = _tiles(kv, n_stream, staged)
-  if schedule != "eager" or not n_stream or _all_staged(tiles):
-    # Nothing to stream from here: the device partials are one program, dispatched first, and the
-    # CPU share runs on this thread while the GPU computes them (its kernel releases the GIL). A
-    # worker thread would only contend for the GIL with this one: on the H200 that stretched a
-    # 128K half-offloaded hybrid layer's query copy to 0.67 ms and its wait to 2.2 ms
-    # (decode_trace_h200_offload.json).
+  if schedule != "eager" or not n_stream:
+    # Nothing streams: the device partials are one program, dispatched first, and the CPU share
+    # runs on this thread while the GPU computes them (its kernel releases the GIL). A worker
+    # thread would only contend for the GIL with this one: on the H200 that stretched a 128K
+    # half-offloaded hybrid layer's query copy to 0.67 ms and its wait to 2.2 ms
+    # (decode_trace_h200_offload.json). Streamed tiles already on the device (early puts, a
+    # Prefetcher's) take the worker path below, where this thread only dispatches while the kernel
+    # runs: with the kernel on this thread (a Prefetcher of 4 tiles, 128K half-offloaded) it took
+    # 2.7 ms (median) against the worker's 1.55 without one, and the Prefetcher ran 4.19 tok/s
+    # against 7.45 off (beyond_hbm/session4/a/); on the worker path, 6.44 against 6.89
+    # (beyond_hbm/session5/b/).
     device = None
     if device_part:
       with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
@@ -336,8 +443,7 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
   # started at once: it copies q (and q_pos) down itself (np.asarray: a small device → host
   # copy), and reads the tail tiles in place; the GIL is released while it runs.
-  future = _executor().submit(
-      _annotated_cpu_tail, q, kv, **cpu_kw)
+  future = cpu_future or _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
   device = None
   try:
     with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):

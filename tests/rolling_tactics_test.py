@@ -219,6 +219,66 @@ def test_appends_across_flushes(config, kv_dtype):
     assert_close("float32", o, lse, *ref)
 
 
+@pytest.mark.parametrize("tactic,share", [("hybrid", 0.5), ("stream", None)])
+def test_decode_attend_starts_its_tail_before_the_append(monkeypatch, tactic, share):
+  # RollingKV.attend starts a hybrid step's CPU share (rolling.early_cpu_share) and requests its
+  # first streamed tiles (rolling.early_puts) before it dispatches the append, and the attention
+  # then uses both: across a flush (the step that adds a full tile, where the CPU share must wait
+  # for the append) the result stays exact, and the CPU share runs in the worker thread.
+  from rkv import cache as cache_lib
+  from rkv.offload import stream
+  rng = np.random.default_rng(11)
+  b, kh, h, d, cap = 1, 2, 8, 16, 80
+  k = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  v = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  kv = rkv.RollingKV.from_arrays(jnp.asarray(k[:, :45]), jnp.asarray(v[:, :45]), window_cells=12,
+                                 tile_cells=8, capacity=cap).with_tactic(tactic, share)
+  events = []
+  real_puts, real_append, real_cpu = stream.put_many_eager, cache_lib.append, \
+      cpu_lib.cpu_attention_tail
+  monkeypatch.setattr(stream, "put_many_eager",
+                      lambda tiles, *a, **kw: events.append(("puts", len(tiles)))
+                      or real_puts(tiles, *a, **kw))
+  monkeypatch.setattr(cache_lib, "append", lambda *a, **kw: events.append(("append",))
+                      or real_append(*a, **kw))
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail", lambda *a, **kw: events.append(
+      ("cpu", threading.current_thread().name)) or real_cpu(*a, **kw))
+  real_early = rolling.early_cpu_share
+  started = []  # (events recorded before it, its future)
+
+  def early_spy(*a, **kw):
+    n = len([e for e in events if e[0] != "cpu"])
+    future = real_early(*a, **kw)
+    started.append((n, future))
+    return future
+
+  monkeypatch.setattr(rolling, "early_cpu_share", early_spy)
+  fill = 45
+  for _ in range(8):  # 45 -> 53 cells: the append to 52 = 12 + 5 * 8 flushes a fifth full tile
+    events.clear()
+    n_before = kv.n_full_tiles
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+    o, kv = kv.attend(q, jnp.asarray(k[:, fill:fill + 1]), jnp.asarray(v[:, fill:fill + 1]),
+                      jnp.full((b, 1), fill, jnp.int32), impl="xla")
+    fill += 1
+    n_stream = rolling.streamed_count(n_before, tactic, share)
+    cpu = [e for e in events if e[0] == "cpu"]  # from the worker: anywhere in the order
+    main = [e for e in events if e[0] != "cpu"]
+    assert main[0] == ("puts", min(rolling.DEFAULT_LOOKAHEAD, n_stream)), events
+    assert main[1] == ("append",), events
+    # The CPU share was started before anything else, unless this append fills a tile.
+    flushes = kv.n_full_tiles != n_before
+    assert started[-1][0] == 0 and (started[-1][1] is not None) == (
+        tactic == "hybrid" and not flushes), (started, events)
+    if tactic == "hybrid":
+      assert len(cpu) == 1 and cpu[0][1].startswith("rkv-cpu-tail"), events
+    ref, _ = rkv.attention(q, jnp.asarray(k[:, :fill]), jnp.asarray(v[:, :fill]),
+                           q_pos=jnp.full((b, 1), fill - 1, jnp.int32), impl="reference")
+    rtol, atol = TOLERANCES["float32"]["o"]
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ref), rtol=rtol, atol=atol)
+  assert kv.n_full_tiles == 5  # 4 full tiles at 45 cells: a flush happened on the way
+
+
 def test_auto_tactic():
   case = Case("auto", **K2)
   q, k, v, *_ = make(case)

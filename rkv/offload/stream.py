@@ -197,8 +197,10 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # 5.13; traced, the copies stayed as busy and each layer's host part grew
 # (benchmarks/results/beyond_hbm/session4/). A lighter form that queued only the next streaming
 # layer's first tile behind the current layer's puts (commit 168cbd6, removed again) was slower
-# too: 6.70 vs 7.57 tok/s at 128K half (session4/next_tile/). So an idle link between layers is
-# not what holds these steps; a moved transfer delays something not yet traced.
+# too: 6.70 vs 7.57 tok/s at 128K half (session4/next_tile/). Traced event by event
+# (beyond_hbm/session5/xplane/half128_pf{0,4}): with the Prefetcher the layer's CPU share ran on
+# the dispatching thread and took 2.7 ms (median) against 1.55, the link idling meanwhile; on the
+# worker thread (rolling._with_cpu_tail, now) it is 6.44 vs 6.89 tok/s off (session5/b/).
 PREFETCH_TILES_ENV = "RKV_PREFETCH_TILES"
 
 
