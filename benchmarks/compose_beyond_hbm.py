@@ -16,13 +16,19 @@ RUNS = os.path.join(HERE, "beyond_hbm")
 PICK = [
     ("fused_ab/res_new.json", "shipped defaults (fused q/k/v and gate/up projections)",
      [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16")]),
-    ("fused_ab/half_general.json", "shipped defaults (fused projections, general layered path)",
+    ("session5/d/half_e1_t15.json", "shipped defaults: the hybrid CPU share and the first "
+     "streamed tiles started before the append (rkv.rolling.early_cpu_share, early_puts); with "
+     "both off in the same run, before and after it: 6.55 and 7.12 tok/s",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("fused_ab/1m_general.json", "shipped defaults (fused projections, general layered path)",
+    ("session5/e/1m_ab_e1_3.json", "shipped defaults: early CPU share and puts (the median of "
+     "three runs alternating with both off in one run: on 7.63 / 7.18 / 7.58, off 7.05 / 6.53 / "
+     "7.25 tok/s)",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session3/half512.json", "shipped defaults (fused projections, general layered path)",
+    ("session3/half512.json", "before the early CPU share and puts (fused projections, general "
+     "layered path)",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session4/a/2m_int8.json", "shipped defaults but the CPU kernel's int8 share: int8 appends "
+    ("session4/a/2m_int8.json", "before the early CPU share and puts, and the CPU kernel's int8 "
+     "share: int8 appends "
      "quantized in one program (0bc35ff); the planner models the CPU kernel's int8 rate, here "
      "with the fallback share 0.52 (the default's measured 0.673 makes the same plan: 2 of 6 "
      "tiles a layer on the CPU); the bound uses the int8 rate (9.29 tok/s with bf16's)",
