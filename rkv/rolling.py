@@ -134,9 +134,10 @@ EARLY_PUTS = os.environ.get(EARLY_PUTS_ENV, "1").strip() != "0"
 def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
                schedule: str = DEFAULT_SCHEDULE,
                lookahead: int | None = DEFAULT_LOOKAHEAD) -> tuple[stream.Tile, ...] | None:
-  """The first tiles a decode step of ``q [B,T,H,D]`` will stream from ``kv``, their
+  """The first tiles a hybrid decode step of ``q [B,T,H,D]`` will stream from ``kv``, their
   host→device transfers issued now, for ``rolling_attention(staged=...)``; None when nothing
-  applies (not the eager schedule, a prefill chunk, nothing streamed, traced arrays).
+  applies (not the eager schedule, not ``hybrid``, a prefill chunk, nothing streamed, traced
+  arrays).
 
   What it is for: :meth:`rkv.RollingKV.attend` calls it before its append, so the link starts on
   the layer's tiles while the host still dispatches the append. Traced on the H200 (128K
@@ -152,8 +153,9 @@ def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
   if (not EARLY_PUTS or schedule != "eager" or not isinstance(kv, cache_lib.RollingKV)
       or jnp.shape(q)[1] > MAX_DECODE_QUERIES or _tracing(q, kv)):
     return None
-  tactic = "stream" if tactic == "auto" else tactic
-  if tactic not in ("stream", "hybrid"):
+  if tactic != "hybrid":
+    # Measured on the H200 for hybrid layers only. A stream layer whose tiles all came early would
+    # also change path (one program over staged tiles, not the eager per-tile one): unmeasured.
     return None
   n = streamed_count(kv.n_full_tiles, tactic, cpu_fraction)
   depth = n if lookahead is None else min(lookahead, n)
