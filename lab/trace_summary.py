@@ -4,6 +4,7 @@ no TensorBoard): per device stream the busy time and the top kernels, host spans
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import os
@@ -50,6 +51,38 @@ def small_copies_behind_large(lines: dict, small_ns: int = SMALL_COPY_NS,
               small_ns=small_ns, gap_ns=gap_ns)
 
 
+# A gap between tile copies shorter than this is the engine moving to the next queued copy.
+IDLE_GAP_NS = 50_000
+
+
+def link_gaps(lines: dict, large_ns: int = SMALL_COPY_NS, idle_ns: int = IDLE_GAP_NS) -> dict:
+  """``lines`` as for :func:`small_copies_behind_large`. The link's idle gaps between its tile
+  copies (those of at least ``large_ns``), over all host-to-device streams together: the copy
+  engine runs one such copy at a time whatever the stream (H200 traces,
+  benchmarks/results/beyond_hbm/session5/xplane/), so a gap is time the link could have moved a
+  tile. Returns the number of gaps of at least ``idle_ns`` (shorter ones are the engine moving to
+  the next queued copy), their total and median ns, and the busy ns they separate;
+  the small copies that began within :data:`QUEUED_GAP_NS` of a tile copy's end on any stream
+  (``small_behind_any``) are the ones the engine most likely held behind it."""
+  large = sorted((a, a + d) for ev in lines.values() for a, d in ev if d >= large_ns)
+  small = [a for ev in lines.values() for a, d in ev if d < large_ns]
+  gaps, end = [], None
+  for a, b in large:
+    if end is not None and a - end >= idle_ns:
+      gaps.append(a - end)
+    end = b if end is None else max(end, b)
+  busy = union_ns(large)
+  ends = sorted(b for _, b in large)
+  behind = 0
+  for a in small:
+    i = bisect.bisect_right(ends, a)
+    if i and 0 <= a - ends[i - 1] <= QUEUED_GAP_NS:
+      behind += 1
+  return dict(gaps=len(gaps), gap_ns=sum(gaps),
+              median_gap_ns=statistics.median(gaps) if gaps else 0, busy_ns=busy,
+              small_behind_any=behind, large_ns=large_ns, idle_ns=idle_ns)
+
+
 def summarize(xplane_path: str, top: int) -> dict:
   """Per device plane: each line's (stream's) busy ns and top events by total ns, the union of
   each kind's busy time, the small host-to-device copies queued behind tiles
@@ -89,6 +122,7 @@ def summarize(xplane_path: str, top: int) -> dict:
       # stream) and the compute stream were working within the traced window.
       out.setdefault("busy_union_ns", {})[plane.name] = {k: union_ns(v) for k, v in spans.items()}
       out.setdefault("h2d_small_copies", {})[plane.name] = small_copies_behind_large(h2d)
+      out.setdefault("link_gaps", {})[plane.name] = link_gaps(h2d)
     elif plane.name.startswith("/host:CPU"):
       spans = collections.defaultdict(list)
       for line in plane.lines:

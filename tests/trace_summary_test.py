@@ -22,3 +22,20 @@ def test_small_copies_behind_large():
   assert (wide["behind_large"], wide["large_ns_before_them"]) == (2, 3400 * us)
   assert small_copies_behind_large({}) == dict(small=0, behind_large=0, large_ns_before_them=0,
                                                 small_ns=100_000, gap_ns=20_000)
+
+
+def test_link_gaps_across_streams():
+  from lab.trace_summary import link_gaps
+  us = 1000
+  lines = {
+      # Two tiles back to back on two streams, then a 1 ms gap, then a third tile.
+      "Stream #20(MemcpyH2D)": [(0, 800 * us), (2600 * us, 800 * us)],
+      "Stream #21(MemcpyH2D)": [(800 * us, 800 * us)],
+      # A small copy right after the second tile (on another stream), one in the idle gap.
+      "Stream #15(MemcpyH2D)": [(1605 * us, 3 * us), (2000 * us, 2 * us)],
+  }
+  got = link_gaps(lines)
+  assert (got["gaps"], got["gap_ns"], got["busy_ns"], got["small_behind_any"]) == (
+      1, 1000 * us, 2400 * us, 1)
+  assert got["median_gap_ns"] == 1000 * us
+  assert link_gaps({})["gaps"] == 0
