@@ -13,9 +13,12 @@
 #           ($RKV_CPU_TAIL_THREADS 15 / 12 / 10 with both early starts; both off at 15, first and
 #           last, for the drift), then 1M (default budget) early at 12 threads and off at 15.
 #   part e: 1M (default budget), early starts off / on alternating, three pairs, 10 timed steps.
+#   part f (not run yet): 1M (default budget), the fused two-program decode step
+#           ($RKV_FUSED_DECODE=1) against the general path with the early starts, three
+#           alternating pairs: whether fewer dispatches a layer now shorten the host chain.
 # The session's results: benchmarks/results/beyond_hbm/session5/ (a/ .. e/ by part; the raw traces
 # in xplane/; part c ran on a machine where every row was ~40% slower, so it is kept, not used).
-# Usage: bash benchmarks/session5_h200.sh a|b|c|d|e
+# Usage: bash benchmarks/session5_h200.sh a|b|c|d|e|f
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 P=${P:-benchmarks/results/profile_h200_v3.json}
@@ -89,6 +92,12 @@ case "$PART" in
     for i in 1 2 3; do for e in 0 1; do
       RKV_EARLY_CPU=$e RKV_EARLY_PUTS=$e T=75 run 1m_ab_e${e}_$i --configs=rkv_offload \
         --budget=auto --contexts=1048576 --offload_steps=10
+    done; done
+    ;;
+  f)
+    for i in 1 2 3; do for fu in 0 1; do
+      RKV_FUSED_DECODE=$fu T=75 run 1m_fused${fu}_$i --configs=rkv_offload --budget=auto \
+        --contexts=1048576 --offload_steps=10
     done; done
     ;;
 esac
