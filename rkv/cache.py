@@ -244,7 +244,10 @@ class RollingKV:
   def attend(self, q, k, v, positions, **kw) -> tuple[jax.Array, "RollingKV"]:
     """Appends the chunk's ``k, v`` at ``positions`` and returns ``(o, new cache)``: causal
     :func:`rkv.rolling_attention` of ``q`` over every cell with the cache's tactic (``kw``: its
-    ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``staged``)."""
+    ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``lookahead``, ``cpu_threads``,
+    ``staged``). A hybrid decode step starts its CPU share and requests its first streamed tiles
+    before the append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
+    ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off)."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES
     tactic, share = self.tactic, self.cpu_fraction

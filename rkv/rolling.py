@@ -49,7 +49,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import os
 import threading
 
 import jax
@@ -126,9 +125,10 @@ def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int
   return n_tiles
 
 
-# $RKV_EARLY_PUTS=0 turns early_puts off for a process (same-run A/Bs; on by default).
+# $RKV_EARLY_PUTS=0 / $RKV_EARLY_CPU=0 turn early_puts / early_cpu_share off (same-run A/Bs; on
+# by default), read at each call.
 EARLY_PUTS_ENV = "RKV_EARLY_PUTS"
-EARLY_PUTS = os.environ.get(EARLY_PUTS_ENV, "1").strip() != "0"
+EARLY_CPU_ENV = "RKV_EARLY_CPU"
 
 
 def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
@@ -150,7 +150,7 @@ def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
   rewritten (a flush adds one at the end), so the tiles requested before the append are the ones
   attended after it; as many as the eager schedule would request up front (``lookahead``), so no
   more device memory than without it."""
-  if (not EARLY_PUTS or schedule != "eager" or not isinstance(kv, cache_lib.RollingKV)
+  if (not validation.env_switch(EARLY_PUTS_ENV, True) or schedule != "eager" or not isinstance(kv, cache_lib.RollingKV)
       or jnp.shape(q)[1] > MAX_DECODE_QUERIES or _tracing(q, kv)):
     return None
   if tactic != "hybrid":
@@ -162,10 +162,6 @@ def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
   if depth <= 0:
     return None
   return tuple(stream.put_many_eager(_tiles(kv, depth)))
-
-
-EARLY_CPU_ENV = "RKV_EARLY_CPU"
-EARLY_CPU = os.environ.get(EARLY_CPU_ENV, "1").strip() != "0"
 
 
 def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: float | None,
@@ -195,7 +191,7 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
   append 1.1 ms (medians), against 1.8 and 0.5 ms in a trace without the early CPU share on
   another machine (session5/b/); 12 and 10 kernel threads were not faster (6.98, 6.16 tok/s,
   session5/d/)."""
-  if (not EARLY_CPU or schedule != "eager" or tactic != "hybrid"
+  if (not validation.env_switch(EARLY_CPU_ENV, True) or schedule != "eager" or tactic != "hybrid"
       or not isinstance(kv, cache_lib.RollingKV) or jnp.shape(q)[1] > MAX_DECODE_QUERIES
       or _tracing(q, q_pos, kv)):
     return None

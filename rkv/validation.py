@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,18 @@ def check_live(where: str, name: str, tree) -> None:
 def check_choice(where: str, name: str, value, choices) -> None:
   if value not in choices:
     raise ValueError(f"{where}: {name} must be one of {tuple(choices)}, got {value!r}")
+
+
+_SWITCH_ON, _SWITCH_OFF = ("1", "true", "on"), ("0", "false", "off")
+
+
+def env_switch(name: str, default: bool) -> bool:
+  """An on/off environment variable (``1``/``0``, ``true``/``false``, ``on``/``off``; unset or
+  empty: ``default``), read now; anything else is a ValueError naming the variable, not a silent
+  default."""
+  raw = os.environ.get(name, "").strip().lower()
+  if not raw:
+    return default
+  if raw not in _SWITCH_ON + _SWITCH_OFF:
+    raise ValueError(f"${name} must be 0/1 (false/true, off/on), got {raw!r}")
+  return raw in _SWITCH_ON

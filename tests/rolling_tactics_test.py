@@ -283,6 +283,21 @@ def test_decode_attend_starts_its_tail_before_the_append(monkeypatch, tactic, sh
   assert kv.n_full_tiles == 5  # 4 full tiles at 45 cells: a flush happened on the way
 
 
+@pytest.mark.parametrize("name", ["RKV_EARLY_CPU", "RKV_EARLY_PUTS"])
+def test_early_start_switches_refuse_bad_values(monkeypatch, name):
+  rng = np.random.default_rng(12)
+  k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
+  kv = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                 capacity=48).with_tactic("hybrid", 0.5)
+  q = jnp.zeros((1, 1, 8, 16), jnp.float32)
+  monkeypatch.setenv(name, "maybe")
+  with pytest.raises(ValueError, match=name):
+    kv.attend(q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32), impl="xla")
+  monkeypatch.setenv(name, "off")  # a valid spelling: the step runs
+  o, _ = kv.attend(q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32), impl="xla")
+  assert o.shape == q.shape
+
+
 def test_auto_tactic():
   case = Case("auto", **K2)
   q, k, v, *_ = make(case)

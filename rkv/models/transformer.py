@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -403,10 +402,7 @@ def _fused_default() -> bool:
   from rkv.models import fused_decode
   # Off by default: on the H200 it measured slower than the general path (fused_decode's
   # docstring, benchmarks/results/beyond_hbm/fused_ab/).
-  env = os.environ.get(fused_decode.FUSED_ENV, "0").strip().lower()
-  if env not in ("0", "1", "false", "true", "off", "on"):
-    raise ValueError(f"${fused_decode.FUSED_ENV} must be 0/1 (false/true, off/on), got {env!r}")
-  return env in ("1", "true", "on")
+  return validation.env_switch(fused_decode.FUSED_ENV, False)
 
 
 def layered_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
