@@ -4,7 +4,6 @@ no TensorBoard): per device stream the busy time and the top kernels, host spans
 
 from __future__ import annotations
 
-import bisect
 import collections
 import glob
 import os
@@ -61,26 +60,16 @@ def link_gaps(lines: dict, large_ns: int = SMALL_COPY_NS, idle_ns: int = IDLE_GA
   engine runs one such copy at a time whatever the stream (H200 traces,
   benchmarks/results/beyond_hbm/session5/xplane/), so a gap is time the link could have moved a
   tile. Returns the number of gaps of at least ``idle_ns`` (shorter ones are the engine moving to
-  the next queued copy), their total and median ns, and the busy ns they separate;
-  the small copies that began within :data:`QUEUED_GAP_NS` of a tile copy's end on any stream
-  (``small_behind_any``) are the ones the engine most likely held behind it."""
+  the next queued copy), their total and median ns, and the busy ns they separate."""
   large = sorted((a, a + d) for ev in lines.values() for a, d in ev if d >= large_ns)
-  small = [a for ev in lines.values() for a, d in ev if d < large_ns]
   gaps, end = [], None
   for a, b in large:
     if end is not None and a - end >= idle_ns:
       gaps.append(a - end)
     end = b if end is None else max(end, b)
-  busy = union_ns(large)
-  ends = sorted(b for _, b in large)
-  behind = 0
-  for a in small:
-    i = bisect.bisect_right(ends, a)
-    if i and 0 <= a - ends[i - 1] <= QUEUED_GAP_NS:
-      behind += 1
   return dict(gaps=len(gaps), gap_ns=sum(gaps),
-              median_gap_ns=statistics.median(gaps) if gaps else 0, busy_ns=busy,
-              small_behind_any=behind, large_ns=large_ns, idle_ns=idle_ns)
+              median_gap_ns=statistics.median(gaps) if gaps else 0, busy_ns=union_ns(large),
+              large_ns=large_ns, idle_ns=idle_ns)
 
 
 def summarize(xplane_path: str, top: int) -> dict:
@@ -89,7 +78,12 @@ def summarize(xplane_path: str, top: int) -> dict:
   (:func:`small_copies_behind_large`); host spans named ``rkv.*`` (count, total, median ns); the
   traced window's wall ns."""
   import jax
-  pd = jax.profiler.ProfileData.from_file(xplane_path)
+  if xplane_path.endswith(".gz"):  # a trace kept by decode_trace --xplane_dir
+    import gzip
+    with gzip.open(xplane_path, "rb") as f:
+      pd = jax.profiler.ProfileData.from_serialized_xspace(f.read())
+  else:
+    pd = jax.profiler.ProfileData.from_file(xplane_path)
   out = dict(devices={}, host_spans={})
   lo, hi = None, None
   for plane in pd.planes:
@@ -141,3 +135,32 @@ def summarize_dir(trace_dir: str, top: int) -> dict:
   if not pb:
     raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
   return summarize(pb[-1], top)
+
+
+def main(argv=None) -> None:
+  """``python -m lab.trace_summary OUT.json TRACE...``: the summary of each kept trace
+  (``.xplane.pb`` or ``.xplane.pb.gz``), keyed by file name; ``--only KEY`` keeps one field of
+  the device plane (e.g. ``link_gaps``)."""
+  import argparse
+  import json
+  ap = argparse.ArgumentParser(prog="python -m lab.trace_summary")
+  ap.add_argument("out")
+  ap.add_argument("traces", nargs="+")
+  ap.add_argument("--only", default=None)
+  ap.add_argument("--top", type=int, default=25)
+  args = ap.parse_args(argv)
+  result = {}
+  for path in args.traces:
+    summary = summarize(path, args.top)
+    if args.only:
+      if args.only not in summary:
+        raise ValueError(f"--only: {args.only!r} is not a summary field ({sorted(summary)})")
+      (summary,) = summary[args.only].values()  # the one GPU plane
+    result[os.path.basename(path)] = summary
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -31,11 +31,37 @@ def test_link_gaps_across_streams():
       # Two tiles back to back on two streams, then a 1 ms gap, then a third tile.
       "Stream #20(MemcpyH2D)": [(0, 800 * us), (2600 * us, 800 * us)],
       "Stream #21(MemcpyH2D)": [(800 * us, 800 * us)],
-      # A small copy right after the second tile (on another stream), one in the idle gap.
+      # Small copies are not tiles: one right after the second tile, one inside the gap.
       "Stream #15(MemcpyH2D)": [(1605 * us, 3 * us), (2000 * us, 2 * us)],
+      # A 20 us step between two queued copies is not an idle gap.
+      "Stream #22(MemcpyH2D)": [(3420 * us, 500 * us)],
   }
   got = link_gaps(lines)
-  assert (got["gaps"], got["gap_ns"], got["busy_ns"], got["small_behind_any"]) == (
-      1, 1000 * us, 2400 * us, 1)
+  assert (got["gaps"], got["gap_ns"], got["busy_ns"]) == (1, 1000 * us, 2900 * us)
   assert got["median_gap_ns"] == 1000 * us
   assert link_gaps({})["gaps"] == 0
+
+
+def test_summarize_reads_a_kept_gzipped_trace(tmp_path):
+  # decode_trace --xplane_dir keeps traces gzipped; the summary reads them as they are, and the
+  # command line writes one summary per file.
+  import glob
+  import gzip
+  import json
+  import jax
+  import jax.numpy as jnp
+  from lab import trace_summary
+  with jax.profiler.trace(str(tmp_path / "t")):
+    with jax.profiler.TraceAnnotation("rkv.test_span"):
+      jax.block_until_ready(jnp.ones(8) * 2)
+  (pb,) = glob.glob(str(tmp_path / "t" / "**" / "*.xplane.pb"), recursive=True)
+  gz = tmp_path / "kept.xplane.pb.gz"
+  with open(pb, "rb") as src, gzip.open(gz, "wb") as dst:
+    dst.write(src.read())
+  plain = trace_summary.summarize(pb, 5)
+  assert plain["host_spans"]["rkv.test_span"]["count"] == 1
+  assert trace_summary.summarize(str(gz), 5) == plain
+  out = tmp_path / "s.json"
+  trace_summary.main([str(out), str(gz)])
+  assert json.load(open(out))["kept.xplane.pb.gz"]["host_spans"] == json.loads(
+      json.dumps(plain["host_spans"]))
