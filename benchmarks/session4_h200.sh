@@ -17,8 +17,8 @@
 #           1m_nt1.json). A second run tried the request moved after the CPU partial's merge in
 #           rkv.rolling._with_cpu_tail (an edit not kept: half_nt1_after_merge.json beside
 #           half_nt0_run2.json, --offload_steps=5).
-#   part g: traces of 128K half-offloaded with the prefetcher (4 tiles) and without (not run yet:
-#           the summary's h2d_small_copies says whether small uploads queue behind tiles).
+#   part g: traces of 128K half-offloaded with the prefetcher (4 tiles) and without (never run:
+#           benchmarks/session5_h200.sh a took these traces with the raw events kept).
 # The session's results: benchmarks/results/beyond_hbm/session4/ (a/, b/ and the files of c-e).
 # Usage: bash benchmarks/session4_h200.sh a|b|c|d|e|f|g
 set -uo pipefail
