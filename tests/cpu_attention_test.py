@@ -448,13 +448,146 @@ def test_cc_pointing_nowhere_is_an_error(monkeypatch):
     cpu_build.find_compiler()
 
 
-def test_cpu_march_env_selects_the_build(monkeypatch):
-  from rkv.offload import cpu_build
+_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse2 avx avx2 fma f16c bmi2{extra}
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu sse2
+"""
+_V4 = " avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16"
+
+
+def _fake_cpu(monkeypatch, extra, machine="x86_64"):
+  """This host as seen by cpu_build: the first flags line of a fake /proc/cpuinfo."""
+  monkeypatch.setattr(cpu_build, "_read_cpu_flags",
+                      lambda: cpu_build.parse_cpu_flags(_CPUINFO.format(extra=extra)))
+  monkeypatch.setattr(cpu_build.platform, "machine", lambda: machine)
+
+
+def test_arch_flags_follow_the_host_cpu(monkeypatch):
   monkeypatch.delenv(cpu_build.MARCH_ENV, raising=False)
-  default = cpu_build.arch_flags()
-  default_key = cpu_build.build_key()
-  monkeypatch.setenv(cpu_build.MARCH_ENV, "x86-64-v4")
-  assert cpu_build.arch_flags() == ("-march=x86-64-v4",)
-  assert cpu_build.build_key() != default_key  # a separate cached library, never the other one
-  monkeypatch.setenv(cpu_build.MARCH_ENV, " ")
-  assert cpu_build.arch_flags() == default
+  assert "avx512vl" in cpu_build.parse_cpu_flags(_CPUINFO.format(extra=_V4))
+  assert cpu_build.parse_cpu_flags("no flags here") == frozenset()
+  _fake_cpu(monkeypatch, _V4)
+  assert cpu_build.arch_flags() == ("-march=x86-64-v4",) and cpu_build.host_has_avx512()
+  v4_key = cpu_build.build_key()
+  for extra in ("", " avx512f avx512bw avx512vl", " avx512f avx512dq avx512cd avx512bw"):
+    _fake_cpu(monkeypatch, extra)  # no AVX-512, or not all of v4's: the portable v3 build
+    assert cpu_build.arch_flags() == ("-march=x86-64-v3",) and not cpu_build.host_has_avx512()
+  assert cpu_build.build_key() != v4_key  # a v3 library never stands in for a v4 one
+  _fake_cpu(monkeypatch, _V4, machine="aarch64")
+  assert cpu_build.arch_flags() == ()
+  # Unreadable flags (not Linux): v3.
+  monkeypatch.undo()
+  monkeypatch.delenv(cpu_build.MARCH_ENV, raising=False)
+  monkeypatch.setattr(cpu_build, "CPUINFO_PATH", "/nonexistent/cpuinfo")
+  cpu_build._read_cpu_flags.cache_clear()
+  try:
+    if cpu_build.platform.machine().lower() in ("x86_64", "amd64"):
+      assert cpu_build.arch_flags() == ("-march=x86-64-v3",)
+  finally:
+    monkeypatch.undo()
+    cpu_build._read_cpu_flags.cache_clear()
+
+
+def test_cpu_march_env_selects_the_build(monkeypatch):
+  for extra in ("", _V4):  # the variable wins over the host's flags either way
+    _fake_cpu(monkeypatch, extra)
+    monkeypatch.delenv(cpu_build.MARCH_ENV, raising=False)
+    default, default_key = cpu_build.arch_flags(), cpu_build.build_key()
+    other = "x86-64-v3" if default == ("-march=x86-64-v4",) else "x86-64-v4"
+    monkeypatch.setenv(cpu_build.MARCH_ENV, other)
+    assert cpu_build.arch_flags() == (f"-march={other}",)
+    assert cpu_build.build_key() != default_key  # a separate cached library, never the other one
+    monkeypatch.setenv(cpu_build.MARCH_ENV, " ")
+    assert cpu_build.arch_flags() == default
+
+
+def test_avx512_library_is_refused_on_a_host_without_it(monkeypatch):
+  lib = cpu_build.load_library()
+  if not cpu_build.library_has_avx512(lib):
+    pytest.skip("this session's library is not an AVX-512 build")
+  _fake_cpu(monkeypatch, "")
+  assert "RKV_CPU_MARCH=x86-64-v3" in cpu_build._isa_problem(lib)
+  _fake_cpu(monkeypatch, _V4)
+  assert cpu_build._isa_problem(lib) is None
+
+
+def test_kernel_isa_names_the_path():
+  isa = ca.kernel_isa()
+  assert isa in ("avx512", "avx2", "portable")
+  march = os.environ.get(cpu_build.MARCH_ENV, "").strip()
+  if (not os.environ.get(cpu_build.SO_ENV) and not march and cpu_build.host_has_avx512()
+      and cpu_build.platform.machine().lower() in ("x86_64", "amd64")):
+    assert isa == "avx512"  # an AVX-512 host builds and runs the 512-bit path by default
+  if march == "x86-64-v3":
+    assert isa == "avx2"
+
+
+# ----------------------------------------------------------------------------------------------
+# The register-blocked hot shapes (D=128, G=4): the 512-bit path in an x86-64-v4 build (the
+# default on an AVX-512 host; kernel_isa() says which ran), the 256-bit one under v3
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("t,g", [(1, 4), (3, 4), (2, 2), (1, 8)])
+def test_hot_shape_masked_holes_and_empty_rows(dtype, t, g):
+  # S = 613: odd, not a multiple of the 32-cell block, so the last block and chunk are partial.
+  # Holes (k_pos = -1, NaN/inf in their bytes or scales) are skipped unread; a run of holes
+  # empties whole blocks; batch row 1's first query sees no key (o = 0, lse = -inf).
+  b, kh, d, s = 2, 2, 128, 613
+  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=21)
+  rng = np.random.default_rng(22)
+  k_pos = np.broadcast_to(np.arange(s, dtype=np.int32) + 50, (b, s)).copy()
+  holes = rng.random((b, s)) < 0.2
+  holes[:, 64:130] = True
+  k_pos[holes] = -1
+  if dtype == "int8":
+    ks, vs = ks.copy(), vs.copy()
+    ks[holes], vs[holes] = np.nan, np.inf
+  else:
+    k, v = k.copy(), v.copy()
+    k[holes], v[holes] = np.nan, np.inf
+  q_pos = np.array([[662, 400, 300][:t], [20, 662, 120][:t]], np.int32)
+  got = ca.cpu_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  assert np.all(got[1][1, 0] == -np.inf) and np.all(got[0][1, 0] == 0.0)
+  assert np.isfinite(got[0]).all() and np.isfinite(np.delete(got[1], 0, axis=1)).all()
+  with np.errstate(invalid="ignore"):
+    want = ref.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  _check(got, want, dtype)
+  two = ca.cpu_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=ks, v_scale=vs,
+                         num_threads=2, chunk=100)
+  _check(two, want, dtype)
+  for x, y in zip(two, ca.cpu_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=ks,
+                                        v_scale=vs, num_threads=1, chunk=100)):
+    np.testing.assert_array_equal(x, y)  # bit-identical for any thread count
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("t,g", [(1, 4), (2, 4), (2, 2)])
+def test_hot_shape_nan_in_a_visible_cell(dtype, t, g):
+  # A NaN in a visible K cell (int8: in its scale) reaches o and lse of exactly the rows that see
+  # that cell, also when rows of one 4-row group differ (t=2, g=2); the others stay exact.
+  b, kh, d, s = 2, 2, 128, 301
+  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=23)
+  bad = 200
+  if dtype == "int8":
+    ks = ks.copy()
+    ks[0, bad, 1] = np.nan
+  else:
+    k = k.copy()
+    k[0, bad, 1, 5] = np.nan
+  q_pos = np.array([[150, 300][:t], [300, 250][:t]], np.int32)  # row (0, 0) does not see it
+  o, lse = ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs)
+  sees = np.zeros(lse.shape, bool)
+  sees[0, q_pos[0] >= bad, g:] = True  # batch 0, queries past the cell, KV head 1's heads
+  assert np.isnan(lse[sees]).all() and np.isnan(o[sees]).all()
+  assert np.isfinite(lse[~sees]).all() and np.isfinite(o[~sees]).all()
+  _check((o, lse), ref.attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs), dtype)
+  # NaN in q: that query head's row only.
+  q = q.copy()
+  q[1, 0, 2, 7] = np.nan
+  o, lse = ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs)
+  assert np.isnan(lse[1, 0, 2]) and np.isnan(o[1, 0, 2]).all()
+  assert np.isfinite(lse[1, 0, 3]) and np.isfinite(lse[1, 0, :2]).all()

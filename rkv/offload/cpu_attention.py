@@ -4,9 +4,11 @@ Only the query goes down to the host; the host reads the tail where it lives and
 small float32 partial ``(o [B,T,H,D], lse [B,T,H])``, to be merged on the GPU with the window's
 partial by :func:`rkv.merge` (exact LSE merge, docs/DESIGN.md §2). The work is the multi-threaded C
 kernel ``cpu_kernel.c`` (OpenMP over batch rows x chunks of cells, every K/V byte read once for
-all G*T query rows of its KV head, float32 online softmax, AVX2 on x86-64-v3; built by
-:mod:`rkv.offload.cpu_build`). jnp on the host measured 1.8 GB/s (docs/DESIGN.md §7); this kernel is
-measured by :func:`measure_cpu_attention` against :func:`measure_host_read_bandwidth`.
+all G*T query rows of its KV head, float32 online softmax; AVX2 on x86-64-v3, plus a 512-bit path
+on AVX-512 hosts: x86-64-v4, which :mod:`rkv.offload.cpu_build` picks there and builds;
+:func:`kernel_isa` says which the loaded library has). jnp on the host measured 1.8 GB/s
+(docs/DESIGN.md §7); this kernel is measured by :func:`measure_cpu_attention` against
+:func:`measure_host_read_bandwidth`.
 
 Inputs are read **in place** through a pointer and element strides, never copied:
 - numpy arrays (``bfloat16`` is ``ml_dtypes.bfloat16``): any strides with a contiguous head dim;
@@ -112,6 +114,16 @@ def _lib() -> ctypes.CDLL:
     lib.rkv_cpu_kernel_max_threads.restype = ctypes.c_int
     lib._rkv_typed = True
   return lib
+
+
+def kernel_isa() -> str:
+  """The vector code of the loaded kernel, for benchmark records: ``"avx512"`` (x86-64-v4 build:
+  head dims D % 16 == 0 take the 512-bit path, other D the 256-bit one), ``"avx2"``
+  (x86-64-v3 build) or ``"portable"`` (plain C, e.g. aarch64). Loads (builds) the library."""
+  lib = _lib()
+  if cpu_build.library_has_avx512(lib):
+    return "avx512"
+  return "avx2" if lib.rkv_cpu_kernel_has_avx2() else "portable"
 
 
 def max_threads() -> int:

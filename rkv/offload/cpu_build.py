@@ -7,9 +7,15 @@ prebuilt library named by ``$RKV_CPU_KERNEL_SO``; build one elsewhere with::
 
   python -m rkv.offload.cpu_build --out DIR     # writes DIR/librkv_cpu_kernel.so
 
-x86-64 builds target ``-march=x86-64-v3`` (AVX2, FMA, F16C: any Haswell/Zen or later host), not
-``-march=native``, so a library built on one machine runs on another. Other architectures get
-the portable C path of the kernel (``-O3`` auto-vectorized).
+x86-64 builds target ``-march=x86-64-v4`` when the host has AVX-512 (F, BW, CD, DQ, VL, read from
+``/proc/cpuinfo``): the kernel's 512-bit path, which int8 K/V needs (the 256-bit one is compute
+bound there). Otherwise, or when the flags cannot be read, ``-march=x86-64-v3`` (AVX2, FMA, F16C:
+any Haswell/Zen or later host). Either is a fixed level, not ``-march=native``, and
+``$RKV_CPU_MARCH`` overrides the choice; the level is part of the cache key, so a v3 and a v4
+build never stand in for each other. A v4 library runs only on AVX-512 hosts: to prebuild for a
+host without it, set ``RKV_CPU_MARCH=x86-64-v3`` (loading a v4 library on such a host is refused
+with that advice, not left to die on an illegal instruction). Other architectures get the
+portable C path of the kernel (``-O3`` auto-vectorized).
 
 The library is loaded with :class:`ctypes.CDLL`, which releases the GIL for the duration of each
 call: the Python thread that feeds the GPU keeps running while the host computes. Loading it sets
@@ -47,22 +53,57 @@ class CompilerNotFoundError(RuntimeError):
 
 
 MARCH_ENV = "RKV_CPU_MARCH"
+CPUINFO_PATH = "/proc/cpuinfo"
+# The AVX-512 subsets -march=x86-64-v4 lets the compiler use. The kernel's 512-bit path needs F,
+# BW and VL; CD and DQ are asked for too because the compiler may emit them anywhere in a v4
+# build (every AVX-512 Xeon since Skylake-SP has all five; a host missing one builds v3).
+V4_FLAGS = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset:
+  """The feature flags of the first ``flags`` line of a ``/proc/cpuinfo`` text (empty if none)."""
+  for line in cpuinfo.splitlines():
+    key, sep, value = line.partition(":")
+    if sep and key.strip() == "flags":
+      return frozenset(value.split())
+  return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def _read_cpu_flags() -> frozenset:
+  """This host's CPU flags (empty where ``/proc/cpuinfo`` cannot be read: not Linux). Cached:
+  every cache-key computation asks, and the file is large on many-core hosts."""
+  try:
+    with open(CPUINFO_PATH) as f:
+      return parse_cpu_flags(f.read())
+  except OSError:
+    return frozenset()
+
+
+def host_has_avx512() -> bool:
+  """Whether this host has the AVX-512 of an x86-64-v4 build (:data:`V4_FLAGS`). Linux clears
+  these flags when the kernel does not enable the 512-bit register state, so they are enough."""
+  return V4_FLAGS <= _read_cpu_flags()
 
 
 def arch_flags() -> tuple[str, ...]:
-  """``-march`` of the build: ``$RKV_CPU_MARCH`` if set (e.g. ``x86-64-v4`` for an AVX-512 host;
-  the library then runs only on such hosts), else ``x86-64-v3`` on x86-64, else none.
+  """``-march`` of the build: ``$RKV_CPU_MARCH`` if set, else on x86-64 ``x86-64-v4`` when the
+  host has AVX-512 (:func:`host_has_avx512`) and ``x86-64-v3`` otherwise, else none.
 
-  The kernel's intrinsics are AVX2, so x86-64-v4 only gives the compiler AVX-512's 32 vector
-  registers and encodings: on the H200 host (Xeon, AVX-512 and AMX) it read 77.7 GB/s bf16 and
-  50.9 int8 against v3's 75.4 and 51.1, the same (15 threads, 512K cells;
-  benchmarks/results/beyond_hbm/session5/b/cpu_rates_v*.json). A real gain needs 512-bit code."""
+  Why v4: it compiles the kernel's 512-bit register-blocked path (cpu_kernel.c, RKV_AVX512). The
+  256-bit intrinsics alone built for v4 changed nothing on the H200 host (77.7 GB/s bf16 and
+  50.9 int8 against v3's 75.4 and 51.1, 15 threads, 512K cells;
+  benchmarks/results/beyond_hbm/session5/b/cpu_rates_v*.json): int8 was compute bound there.
+  The 512-bit path on the dev box (2-core Xeon VM with AVX-512, 512K cells, median of 3
+  processes): int8 6.9 -> 9.7 GB/s on one thread and 13.8 -> 19.3 on two, bf16 9.3 -> 10.8 and
+  18.4 -> 21.5 (a plain read: 16 and 32 GB/s)."""
   march = os.environ.get(MARCH_ENV, "").strip()
   if march:
     return (f"-march={march}",)
   if platform.machine().lower() in ("x86_64", "amd64"):
-    # x86-64-v3 = AVX2 + FMA + F16C + BMI: what the intrinsics path needs, portable across hosts.
-    return ("-march=x86-64-v3",)
+    # x86-64-v3 = AVX2 + FMA + F16C + BMI: what the 256-bit path needs, portable across hosts;
+    # v4 adds AVX-512 (F, BW, CD, DQ, VL) for the 512-bit path, on hosts that have it.
+    return ("-march=x86-64-v4",) if host_has_avx512() else ("-march=x86-64-v3",)
   return ()
 
 
@@ -120,7 +161,8 @@ def _file_hash(path: str, mtime_ns: int, size: int) -> str:
 
 
 def build_key() -> str:
-  """Cache key of a build: the source, the flags and the architecture."""
+  """Cache key of a build: the source, the flags (the ``-march`` level among them: a v3 and a v4
+  build of the same source get different keys) and the architecture."""
   h = hashlib.sha256(source_hash().encode())
   h.update("\0".join(_BASE_FLAGS + arch_flags()).encode())
   h.update(platform.machine().encode())
@@ -292,12 +334,32 @@ def _load(path: str) -> ctypes.CDLL:
   if abi != ABI_VERSION:
     raise RuntimeError(f"rkv CPU-tail kernel {path} has ABI version {abi}, this rkv needs "
                        f"{ABI_VERSION}: rebuild it with `python -m rkv.offload.cpu_build --out DIR`")
+  problem = _isa_problem(lib)
+  if problem:
+    raise RuntimeError(f"rkv CPU-tail kernel {path}: {problem}")
   lib.rkv_cpu_kernel_source_hash.restype = ctypes.c_char_p
   built = lib.rkv_cpu_kernel_source_hash().decode()
   if built != source_hash():
     warnings.warn(f"rkv CPU-tail kernel {path} was built from another source (hash {built}, "
                   f"current {source_hash()}); same ABI, but rebuild it to be sure", stacklevel=3)
   return lib
+
+
+def library_has_avx512(lib: ctypes.CDLL) -> bool:
+  """Whether ``lib`` was built with the 512-bit path (False for a library older than it)."""
+  fn = getattr(lib, "rkv_cpu_kernel_has_avx512", None)
+  return bool(fn()) if fn is not None else False
+
+
+def _isa_problem(lib: ctypes.CDLL) -> str | None:
+  """Why ``lib`` cannot run on this host, or None: a v4 (AVX-512) build on an x86 host whose
+  flags say it has no AVX-512 would die on its first 512-bit instruction. Unknown flags (not
+  Linux) are not held against it."""
+  flags = _read_cpu_flags()
+  if flags and library_has_avx512(lib) and not V4_FLAGS <= flags:
+    return (f"it was built for AVX-512 (x86-64-v4) and this CPU lacks "
+            f"{', '.join(sorted(V4_FLAGS - flags))}: build it with {MARCH_ENV}=x86-64-v3")
+  return None
 
 
 def load_library() -> ctypes.CDLL:
@@ -316,6 +378,7 @@ def main(argv=None) -> int:
   path = compile_library(os.path.join(args.out, LIB_NAME), compiler=args.cc)
   lib = ctypes.CDLL(os.path.abspath(path))
   print(f"{path} (abi {lib.rkv_cpu_kernel_abi_version()}, avx2 {lib.rkv_cpu_kernel_has_avx2()}, "
+        f"avx512 {int(library_has_avx512(lib))}, {' '.join(arch_flags()) or 'default march'}, "
         f"source {source_hash()}, {platform.machine()})")
   print(f"export {SO_ENV}={os.path.abspath(path)}")
   return 0

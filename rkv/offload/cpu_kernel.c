@@ -47,6 +47,25 @@
  * that the compiler auto-vectorizes; the paths agree to float32 rounding, not bit for bit (each
  * path is deterministic, and which one runs depends on the shapes only).
  *
+ * 512 bits (RKV_AVX512: built for x86-64-v4, which cpu_build.py picks on an AVX-512 host). At
+ * 256 bits int8 is compute bound: 8 elements cost a sign-extend, a convert and an FMA per query
+ * row on the two vector ports that also run every FMA, so int8 read ~51 GB/s on the H200 host
+ * where bf16 reads ~80 (and the 256-bit code merely recompiled for v4 changed nothing). The
+ * register-blocked path (D % 16 == 0, every dtype) therefore has a 512-bit variant: 16 elements
+ * per instruction (int8: vpmovsxbd + vcvtdq2ps; bf16: one load of 32, shift = even, mask = odd,
+ * so that path's column order is (16 even, 16 odd) per 32 columns; f16: vcvtph2ps), a D = 128 row
+ * = 8 zmm; qk_rows_w keeps 4 cells x 4 rows = 16 dot products in registers (32 zmm registers)
+ * and reduces them with one shuffle tree (hsum16x16); pv_rows_w 4 rows x 64 columns. The softmax
+ * of each 4-row group runs rows-parallel (softmax4_w: one max, rescale and sum for the 4 rows,
+ * exp in-register, no expf call per row), and the next block's prefetches are budgeted by their
+ * exact line count. Rows beyond whole groups of 4 and softcapped logits take the per-row
+ * softmax; the semantics (masking by select, NaN flagging, empty rows) are the same. Dev box
+ * (2-core Xeon VM, AVX-512), 512K cells, K=8, G=4, D=128, measure_cpu_attention, median of 3
+ * processes: int8 6.9 -> 9.7 GB/s on 1 thread, 13.8 -> 19.3 on 2; bf16 9.3 -> 10.8 and
+ * 18.4 -> 21.5 (rkv_read_sum: 16 and 32 GB/s); with K/V in L2, int8 34 -> 22 ns per (cell,
+ * head), of which QK ~8.4 and p @ V ~7.2 (L1 micro-benchmark): near the two-port bound of their
+ * ~107 vector instructions.
+ *
  * Measured on the H200 host (16 cores, the tactics' 15 threads, the pinned tail read in place;
  * experiments/tactics_bench.py): 78-86 GB/s, 0.81-0.89 of its measured read bandwidth
  * (benchmarks/results/tactics_bench_h200_run6.json; this file before the register-blocked path:
@@ -69,6 +88,12 @@
 #define RKV_AVX2 1
 #else
 #define RKV_AVX2 0
+#endif
+/* The 512-bit register-blocked path (x86-64-v4 builds; see the header comment). */
+#if RKV_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RKV_AVX512 1
+#else
+#define RKV_AVX512 0
 #endif
 
 #define RKV_ABI_VERSION 2
@@ -118,6 +143,9 @@ typedef struct {
 int rkv_cpu_kernel_abi_version(void) { return RKV_ABI_VERSION; }
 const char* rkv_cpu_kernel_source_hash(void) { return RKV_SOURCE_HASH; }
 int rkv_cpu_kernel_has_avx2(void) { return RKV_AVX2; }
+/* 1 when the head dims that take the register-blocked path (D % 16 == 0) run its 512-bit
+ * variant (for the dtypes RKV_WIDE selects), 0 when they run the 256-bit one. */
+int rkv_cpu_kernel_has_avx512(void) { return RKV_AVX512; }
 int rkv_cpu_kernel_max_threads(void) {
 #ifdef _OPENMP
   return omp_get_max_threads();
@@ -526,6 +554,326 @@ RKV_INLINE void pv_rows(float* restrict acc, int64_t Dp, const float* restrict a
 }
 #endif
 
+#if RKV_AVX512
+/* ------------------------------------------------------------------------------------------ */
+/* The same register-blocked path at 512 bits (x86-64-v4 builds)                               */
+/* ------------------------------------------------------------------------------------------ */
+/* Why: on the 256-bit path int8 is compute bound (the H200 host reads int8 at ~51 GB/s where
+ * bf16 reaches 78-86): every 8 elements cost a sign-extend, a convert and one FMA per query row,
+ * on the two vector ports that also run the FMAs. At 512 bits each of those instructions does 16
+ * lanes (a D = 128 row is 8 zmm), so the same work takes about half the instructions; the 32
+ * vector registers also let a 4-row group keep 4 cells x 4 rows = 16 dot-product chains.
+ *
+ * Column order: bf16 comes 32 elements per 512-bit load, `x << 16` = the 16 even elements and
+ * `x & 0xffff0000` = the 16 odd ones, so q rows and V accumulators of this path keep each full 32
+ * columns as (16 even, 16 odd) (rkv_perm_row); a last 16 columns (D % 32 == 16) are zero-
+ * extended in natural order. Other dtypes: natural order (int8 sign-extends 16 bytes, f16
+ * converts 16 halves with vcvtph2ps). */
+#ifndef RKV_WIDE
+/* The dtypes that take this path (the others keep the 256-bit one): all of them, each measured
+ * faster than at 256 bits (dev box, one thread, bf16 +17%, int8 +40%, f16 and f32 +7-9% out of
+ * cache, more in L2). Build with -D'RKV_WIDE(dtype)=0' to compare. */
+#define RKV_WIDE(dtype) 1
+#endif
+#define RKV_IN_ZREG(x) __asm__("" : "+v"(x))
+
+/* Path-order elements [d + 16 * half, d + 16 * half + 16) of a row whose 32 columns [d, d + 32)
+ * are all inside the row (d % 32 == 0). */
+RKV_INLINE __m512 wload(const char* p, int64_t d, const int half, const int dtype) {
+  switch (dtype) {
+    case RKV_F32: return _mm512_loadu_ps((const float*)p + d + 16 * half);
+    case RKV_BF16: {
+      const __m512i x = _mm512_loadu_si512((const void*)((const uint16_t*)p + d));
+      return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))
+                                      : _mm512_slli_epi32(x, 16));
+    }
+    case RKV_F16:
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + d + 16 * half)));
+    default:
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + d + 16 * half))));
+  }
+}
+
+/* Elements [d, d + 16) in natural order: the last 16 columns when D % 32 == 16. */
+RKV_INLINE __m512 wload_tail(const char* p, int64_t d, const int dtype) {
+  if (dtype == RKV_BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + d))), 16));
+  return wload(p, d, 0, dtype);
+}
+
+/* Lane i of the result = the sum of the 16 lanes of v[i]. A tree of 15 two-source shuffle pairs
+ * and adds: pairs of vectors fold their 256-bit halves, then their 128-bit lanes, then within
+ * the lanes. Traced through, output lane 4k + m ends up holding the vector passed in position
+ * 4m + k, hence the transposed indexing of v. */
+RKV_INLINE __m512 hsum16x16(const __m512* v) {
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; i++) {
+    const int i0 = 2 * i, i1 = 2 * i + 1;
+    const __m512 x = v[4 * (i0 % 4) + i0 / 4], y = v[4 * (i1 % 4) + i1 / 4];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+  }
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; i++)
+    e[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]),
+                         _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+  const __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
+}
+
+/* Lane i of the result = the sum of the 16 lanes of v[i], 8 vectors: fold each vector's 256-bit
+ * halves, then the 256-bit tree of the other path. */
+RKV_INLINE __m256 hsum8x16(const __m512* v) {
+  __m256 h[8];
+  for (int i = 0; i < 8; i++)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp256 at 16 lanes (same polynomial); vscalefps applies the 2^n. */
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, fx);
+}
+
+/* For 4 vectors v[r]: lanes 4r..4r+3 of the result = the max (MAX) or the sum of the 16 lanes
+ * of v[r]. The same folding as hsum16x16, stopped at 4 vectors and finished within the lanes. */
+RKV_INLINE __m512 hred4(const __m512* v, const int MAX) {
+#define RKV_OP(a, b) (MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
+  const __m512 b0 = RKV_OP(_mm512_shuffle_f32x4(v[0], v[1], 0x44),
+                           _mm512_shuffle_f32x4(v[0], v[1], 0xee));
+  const __m512 b1 = RKV_OP(_mm512_shuffle_f32x4(v[2], v[3], 0x44),
+                           _mm512_shuffle_f32x4(v[2], v[3], 0xee));
+  __m512 c = RKV_OP(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xdd));
+  c = RKV_OP(c, _mm512_permute_ps(c, 0x4e));
+  return RKV_OP(c, _mm512_permute_ps(c, 0xb1));
+#undef RKV_OP
+}
+
+/* The softmax step of 4 query rows at once (the 512-bit path's rows-parallel form of the per-row
+ * code in attend_impl, which it must match): lg rows (stride RKV_BLOCK) hold the logits of nvp
+ * lanes (nv8 computed, the rest stale), madd[r] the row's mask. Leaves the weights in lg and
+ * updates m, l, alpha, seen of the 4 rows; returns whether a row saw a key. The max, the
+ * rescale factor and the sum of each row come from one vector op for all 4 rows, not 4 serial
+ * reductions and 4 expf calls. */
+RKV_INLINE int softmax4_w(float* restrict lg, const float* const* madd, const float* kfac,
+                          const float* vfac, float* m, float* l, float* alpha, uint8_t* seen,
+                          int nvp, const int quant) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+  const int nz = nvp / 16;  /* 1 or 2 */
+  __m512 x[4][2], mr[4];
+  int nan_row[4];
+  for (int r = 0; r < 4; r++) {
+    __mmask16 nan = 0;
+    for (int i = 0; i < 2; i++) {
+      if (i >= nz) { x[r][i] = ninf; continue; }
+      __m512 v = _mm512_load_ps(lg + r * RKV_BLOCK + 16 * i);
+      if (quant) v = _mm512_mul_ps(v, _mm512_load_ps(kfac + 16 * i));
+      /* the select of the per-row code: masked lanes -inf, a NaN left is one the row reads */
+      const __m512 ma = _mm512_load_ps(madd[r] + 16 * i);
+      v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(ma, zero, _CMP_NEQ_UQ), ma);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      x[r][i] = v;
+    }
+    mr[r] = _mm512_max_ps(x[r][0], x[r][1]);
+    nan_row[r] = nan != 0;
+  }
+  const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512 mold = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_loadu_ps(m)));
+  const __m512 lold = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_loadu_ps(l)));
+  const __m512 mx = hred4(mr, 1);
+  const __m512 mnew = _mm512_max_ps(mold, mx);
+  const __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_OQ),
+                                        exp512(_mm512_sub_ps(mold, mnew)));
+  __m512 sr[4];
+  for (int r = 0; r < 4; r++) {
+    __m512 mb;
+    switch (r) {  /* row r's lanes to all 16 */
+      case 0: mb = _mm512_shuffle_f32x4(mnew, mnew, 0x00); break;
+      case 1: mb = _mm512_shuffle_f32x4(mnew, mnew, 0x55); break;
+      case 2: mb = _mm512_shuffle_f32x4(mnew, mnew, 0xaa); break;
+      default: mb = _mm512_shuffle_f32x4(mnew, mnew, 0xff); break;
+    }
+    sr[r] = zero;
+    for (int i = 0; i < nz; i++) {
+      const __m512 v = x[r][i];
+      __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ),
+                                     exp512(_mm512_sub_ps(v, mb)));
+      sr[r] = _mm512_add_ps(sr[r], p);
+      if (quant) p = _mm512_mul_ps(p, _mm512_load_ps(vfac + 16 * i));
+      _mm512_store_ps(lg + r * RKV_BLOCK + 16 * i, p);
+    }
+  }
+  const __m512 lnew = _mm512_fmadd_ps(lold, al, hred4(sr, 0));
+  float t_mx[16], t_m[16], t_l[16], t_al[16];
+  _mm512_storeu_ps(t_mx, mx);
+  _mm512_storeu_ps(t_m, mnew);
+  _mm512_storeu_ps(t_l, lnew);
+  _mm512_storeu_ps(t_al, al);
+  int any = 0;
+  for (int r = 0; r < 4; r++) {
+    if (nan_row[r] || t_mx[4 * r] == -INFINITY) {
+      /* As the per-row code: a row that read a NaN gets l = NaN (sticky), one that saw no key
+       * keeps m and l; both add 0 * V to an unscaled acc. */
+      if (nan_row[r]) l[r] = NAN;
+      for (int i = 0; i < nz; i++) _mm512_store_ps(lg + r * RKV_BLOCK + 16 * i, zero);
+      alpha[r] = 1.0f;
+      seen[r] = 0;
+      continue;
+    }
+    m[r] = t_m[4 * r];
+    l[r] = t_l[4 * r];
+    alpha[r] = t_al[4 * r];
+    seen[r] = 1;
+    any = 1;
+  }
+  return any;
+}
+
+/* One 16-column step of qk_rows_w: the NC cells' K chunks converted once, FMAed into NR rows. */
+RKV_INLINE void qk_step_w(const float* restrict q, int64_t Dp, const char* const* kp,
+                          int64_t koff, int64_t d, const int half, const int tail,
+                          const int dtype, __m512* a, const int NR, const int NC) {
+  __m512 k[8];
+  for (int c = 0; c < NC; c++)
+    k[c] = tail ? wload_tail(kp[c] + koff, d, dtype) : wload(kp[c] + koff, d, half, dtype);
+  for (int r = 0; r < NR; r++) {
+    __m512 qv = _mm512_load_ps(q + r * Dp + d + 16 * half);
+    if (NC > 1) RKV_IN_ZREG(qv);
+    for (int c = 0; c < NC; c++) a[r * NC + c] = _mm512_fmadd_ps(qv, k[c], a[r * NC + c]);
+  }
+}
+
+/* qk_rows at 512 bits: NC = 4 cells for 3-4 rows (12-16 chains), 8 for 1-2 rows. The key rows
+ * are kp[j] + koff (the cells' head-0 rows and the head's byte offset: no per-head table). */
+RKV_INLINE void qk_rows_w(const float* restrict q, int64_t Dp, const char* const* kp,
+                          int64_t koff, int nv8, int64_t D, const int dtype, float* restrict lg,
+                          prefetcher* pf, int pf_n, const int NR) {
+  const int NC = NR >= 3 ? 4 : 8;
+  const int steps = nv8 / NC;
+  const int pf_step = (pf_n + steps - 1) / steps;
+  for (int j = 0; j < nv8; j += NC) {
+    __m512 a[16];
+    for (int x = 0; x < 16; x++) a[x] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+      qk_step_w(q, Dp, kp + j, koff, d, 0, 0, dtype, a, NR, NC);
+      qk_step_w(q, Dp, kp + j, koff, d, 1, 0, dtype, a, NR, NC);
+    }
+    if (d < D) qk_step_w(q, Dp, kp + j, koff, d, 0, 1, dtype, a, NR, NC);
+    /* sum of a[r * NC + c] -> lg[r * RKV_BLOCK + j + c] */
+    if (NR * NC <= 8) {
+      _mm256_storeu_ps(lg + j, hsum8x16(a));  /* NR = 1, NC = 8 */
+    } else {
+      const __m512 s = hsum16x16(a);
+      if (NC == 8) {
+        _mm256_storeu_ps(lg + j, _mm512_castps512_ps256(s));
+        _mm256_storeu_ps(lg + RKV_BLOCK + j,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+      } else {
+        _mm_storeu_ps(lg + j, _mm512_castps512_ps128(s));
+        _mm_storeu_ps(lg + RKV_BLOCK + j, _mm512_extractf32x4_ps(s, 1));
+        _mm_storeu_ps(lg + 2 * RKV_BLOCK + j, _mm512_extractf32x4_ps(s, 2));
+        if (NR == 4) _mm_storeu_ps(lg + 3 * RKV_BLOCK + j, _mm512_extractf32x4_ps(s, 3));
+      }
+    }
+    prefetch_some(pf, pf_step);
+  }
+}
+
+/* pv_rows_part at 512 bits: DC chunks of 16 columns (DC even, or DC = 1 for the natural-order
+ * last 16 columns of D % 32 == 16), NR * DC <= 16 accumulator chains. */
+RKV_INLINE int64_t pv_rows_part_w(float* restrict acc, int64_t Dp, const float* restrict alpha,
+                                  const float* restrict w, const char* const* vp, int64_t voff,
+                                  int nv, int64_t d0, int64_t d1, const int dtype,
+                                  prefetcher* pf, int pf_step, const int NR, const int DC) {
+  int64_t d = d0;
+  for (; d + 16 * DC <= d1; d += 16 * DC) {
+    __m512 c[16];
+    for (int r = 0; r < NR; r++) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int x = 0; x < DC; x++)
+        c[r * DC + x] = _mm512_mul_ps(_mm512_load_ps(acc + r * Dp + d + 16 * x), al);
+    }
+    for (int j = 0; j < nv; j++) {
+      const char* vr = vp[j] + voff + (int64_t)elem_size(dtype) * d;  /* constant offsets below */
+      __m512 v[8];
+      for (int x = 0; x < DC; x++)
+        v[x] = DC == 1 ? wload_tail(vr, 0, dtype) : wload(vr, 32 * (x / 2), x % 2, dtype);
+      for (int r = 0; r < NR; r++) {
+        const __m512 wj = _mm512_set1_ps(w[r * RKV_BLOCK + j]);
+        for (int x = 0; x < DC; x++) c[r * DC + x] = _mm512_fmadd_ps(wj, v[x], c[r * DC + x]);
+      }
+    }
+    for (int r = 0; r < NR; r++)
+      for (int x = 0; x < DC; x++) _mm512_store_ps(acc + r * Dp + d + 16 * x, c[r * DC + x]);
+    prefetch_some(pf, pf_step);
+  }
+  return d;
+}
+
+/* pv_rows at 512 bits: the columns in steps of 16 * DC (DC = 8 for 1-2 rows, 4 for 3-4), the
+ * rest in halving steps, so a DC = 1 step is only ever the last 16 columns. */
+RKV_INLINE void pv_rows_w(float* restrict acc, int64_t Dp, const float* restrict alpha,
+                          const float* restrict w, const char* const* vp, int64_t voff, int nv,
+                          int64_t D, const int dtype, prefetcher* pf, int pf_n, const int NR) {
+  const int DC = NR >= 3 ? 4 : 8;
+  const int64_t n16 = D / 16;
+  const int steps = (int)(n16 / DC + __builtin_popcountll((unsigned long long)(n16 % DC)));
+  const int pf_step = (pf_n + steps - 1) / steps;
+  int64_t d = pv_rows_part_w(acc, Dp, alpha, w, vp, voff, nv, 0, D, dtype, pf, pf_step, NR, DC);
+  if (DC > 4) d = pv_rows_part_w(acc, Dp, alpha, w, vp, voff, nv, d, D, dtype, pf, pf_step, NR, 4);
+  d = pv_rows_part_w(acc, Dp, alpha, w, vp, voff, nv, d, D, dtype, pf, pf_step, NR, 2);
+  pv_rows_part_w(acc, Dp, alpha, w, vp, voff, nv, d, D, dtype, pf, pf_step, NR, 1);
+}
+#endif
+
+#if RKV_AVX2
+/* The register-blocked path's column order for bf16 (load16 / wload): each full 2 * hw columns
+ * of a row as (hw even, hw odd) elements, hw = 8 at 256 bits and 16 at 512; a last hw columns
+ * that do not fill 2 * hw stay in natural order. rkv_perm_row: natural -> path order (q rows);
+ * rkv_unperm_row: path order -> natural (the accumulators, on output). */
+static void rkv_perm_row(float* row, int64_t D, int hw) {
+  for (int64_t d = 0; d + 2 * hw <= D; d += 2 * hw) {
+    float tmp[32];
+    for (int e = 0; e < hw; e++) { tmp[e] = row[d + 2 * e]; tmp[hw + e] = row[d + 2 * e + 1]; }
+    memcpy(row + d, tmp, sizeof(float) * 2 * hw);
+  }
+}
+
+static void rkv_unperm_row(float* dst, const float* src, int64_t D, int hw) {
+  int64_t d = 0;
+  for (; d + 2 * hw <= D; d += 2 * hw)
+    for (int e = 0; e < hw; e++) {
+      dst[d + 2 * e] = src[d + e];
+      dst[d + 2 * e + 1] = src[d + hw + e];
+    }
+  for (; d < D; d++) dst[d] = src[d];
+}
+#endif
+
 RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64_t s1,
                             scratch* w, float* p_acc, float* p_m, float* p_l, const int dtype) {
   const int64_t T = a->q_len, H = a->num_heads, K = a->num_kv_heads, D = a->head_dim;
@@ -554,16 +902,16 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
       }
   /* The register-blocked path (a function of the shapes only, like every choice here). */
   const int fast = RKV_AVX2 && D % 16 == 0;
+#if RKV_AVX512
+  const int wide = fast && RKV_WIDE(dtype);  /* its 512-bit variant */
+#else
+  const int wide = 0;
+#endif
+  const int perm_hw = wide ? 16 : 8;  /* bf16 column order: rkv_perm_row */
+  (void)perm_hw;
 #if RKV_AVX2
-  if (fast && RKV_PERM16(dtype))  /* each 16 columns as (even, odd): load16's order */
-    for (int64_t x = 0; x < K * R; x++) {
-      float* row = w->qs + x * Dp;
-      for (int64_t d = 0; d < D; d += 16) {
-        float tmp[16];
-        for (int e = 0; e < 8; e++) { tmp[e] = row[d + 2 * e]; tmp[8 + e] = row[d + 2 * e + 1]; }
-        memcpy(row + d, tmp, sizeof tmp);
-      }
-    }
+  if (fast && RKV_PERM16(dtype))
+    for (int64_t x = 0; x < K * R; x++) rkv_perm_row(w->qs + x * Dp, D, perm_hw);
 #endif
   for (int64_t x = 0; x < K * R; x++) { w->m[x] = -INFINITY; w->l[x] = 0.0f; }
   memset(w->acc, 0, sizeof(float) * K * R * Dp);
@@ -606,24 +954,43 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
     }
     if (nv == 0) continue;
     const int nv8 = (nv + 7) & ~7;
+    /* Lanes the softmax vectors cover: the 512-bit path's are 16 wide. */
+    const int nvp = wide ? (nv + 15) & ~15 : nv8;
     prefetcher pf;  /* the next block, a 1/K share during each head's compute */
     prefetch_init(&pf, w->nkcell, w->nvcell, (int)nxt, (int)K, es * ks[2], es * vs[2], row_bytes);
-    const int pf_head = (int)(2 * nxt * lines_per_row);
+    int pf_head = (int)(2 * nxt * lines_per_row);
+    if (wide) {
+      /* The 512-bit path budgets the next block's exact line count, a 1/K share per head: the
+       * +1 per row above overstates int8 rows (128 bytes: 3 lines for 2, and one range per cell
+       * when the heads are contiguous), which issued all prefetches in the first 2/3 of the
+       * block; spread over the whole block int8 streamed 12% faster (dev box, one thread). */
+      const int contig = es * ks[2] == row_bytes && es * vs[2] == row_bytes;
+      const int64_t range = contig ? row_bytes * K : row_bytes, n_ranges = contig ? 1 : K;
+      pf_head = (int)((2 * nxt * n_ranges * ((range + 63) / 64) + K - 1) / K);
+    }
     for (int64_t t = 0; t < T; t++)
-      for (int j = nv; j < nv8; j++) w->madd[t * RKV_BLOCK + j] = -INFINITY;
+      for (int j = nv; j < nvp; j++) w->madd[t * RKV_BLOCK + j] = -INFINITY;
+    if (wide)  /* masked lanes of the 512-bit path read cell 0 (it takes kcell, not kp) */
+      for (int j = nv; j < nv8; j++) w->kcell[j] = w->kcell[0];
 
     for (int64_t kh = 0; kh < K; kh++) {
       const char* kp[RKV_BLOCK];
       const char* vp[RKV_BLOCK];
-      for (int j = 0; j < nv; j++) {
-        kp[j] = w->kcell[j] + es * kh * ks[2];
-        vp[j] = w->vcell[j] + es * kh * vs[2];
-        if (quant) {
+      const int64_t koff = es * kh * ks[2], voff = es * kh * vs[2];  /* the head's bytes */
+      if (!wide)
+        for (int j = 0; j < nv; j++) {
+          kp[j] = w->kcell[j] + koff;
+          vp[j] = w->vcell[j] + voff;
+        }
+      if (quant)
+        for (int j = 0; j < nv; j++) {
           w->kfac[j] = w->kscell[j][kh * kss[2]];
           w->vfac[j] = w->vscell[j][kh * vss[2]];
         }
+      for (int j = nv; j < nv8; j++) {  /* masked lanes */
+        if (!wide) kp[j] = kp[0];
+        w->kfac[j] = 1.0f;
       }
-      for (int j = nv; j < nv8; j++) { kp[j] = kp[0]; w->kfac[j] = 1.0f; }  /* masked lanes */
       const int pf_per_row = (pf_head + (int)R - 1) / (int)R;
       const int staged = !RKV_AVX2 || (!fast && dtype != RKV_F32 && R >= RKV_STAGE_ROWS);
       const char* kps[RKV_BLOCK];  /* staged rows (float32) */
@@ -655,7 +1022,19 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
           const float* qr = w->qs + (kh * R + r0) * Dp;
           float* lgr = w->lg + r0 * RKV_BLOCK;
           const int pn = pf_head / 2 / ng + 1;
-          switch (R - r0 >= 4 ? 4 : (int)(R - r0)) {
+          const int nr = R - r0 >= 4 ? 4 : (int)(R - r0);
+#if RKV_AVX512
+          if (wide) {
+            switch (nr) {
+              case 4: qk_rows_w(qr, Dp, w->kcell, koff, nv8, D, dtype, lgr, &pf, pn, 4); break;
+              case 3: qk_rows_w(qr, Dp, w->kcell, koff, nv8, D, dtype, lgr, &pf, pn, 3); break;
+              case 2: qk_rows_w(qr, Dp, w->kcell, koff, nv8, D, dtype, lgr, &pf, pn, 2); break;
+              default: qk_rows_w(qr, Dp, w->kcell, koff, nv8, D, dtype, lgr, &pf, pn, 1); break;
+            }
+            continue;
+          }
+#endif
+          switch (nr) {
             case 4: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 4); break;
             case 3: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 3); break;
             case 2: qk_rows(qr, Dp, kp, nv8, D, dtype, lgr, &pf, pn, 2); break;
@@ -664,7 +1043,17 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
         }
       }
 #endif
-      for (int64_t r = 0; r < R; r++) {
+      int64_t r_first = 0;  /* rows before it are done */
+#if RKV_AVX512
+      if (wide && !cap)  /* full groups of 4 rows; the rest (R % 4) row by row below */
+        for (; r_first + 4 <= R; r_first += 4) {
+          const float* mr[4];
+          for (int x = 0; x < 4; x++) mr[x] = w->madd + (r_first + x) / G * RKV_BLOCK;
+          any_row |= softmax4_w(w->lg + r_first * RKV_BLOCK, mr, w->kfac, w->vfac, m + r_first,
+                                l + r_first, w->alpha + r_first, w->seen + r_first, nvp, quant);
+        }
+#endif
+      for (int64_t r = r_first; r < R; r++) {
         const int64_t t = r / G;
         const float* qrow = w->qs + (kh * R + r) * Dp;
         float* lg = w->lg + r * RKV_BLOCK;
@@ -777,7 +1166,19 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
           const float* al = w->alpha + r0;
           const float* wr = w->lg + r0 * RKV_BLOCK;
           const int pn = pf_head / 2 / ng + 1;
-          switch (R - r0 >= 4 ? 4 : (int)(R - r0)) {
+          const int nr = R - r0 >= 4 ? 4 : (int)(R - r0);
+#if RKV_AVX512
+          if (wide) {
+            switch (nr) {
+              case 4: pv_rows_w(ar, Dp, al, wr, w->vcell, voff, nv, D, dtype, &pf, pn, 4); break;
+              case 3: pv_rows_w(ar, Dp, al, wr, w->vcell, voff, nv, D, dtype, &pf, pn, 3); break;
+              case 2: pv_rows_w(ar, Dp, al, wr, w->vcell, voff, nv, D, dtype, &pf, pn, 2); break;
+              default: pv_rows_w(ar, Dp, al, wr, w->vcell, voff, nv, D, dtype, &pf, pn, 1); break;
+            }
+            continue;
+          }
+#endif
+          switch (nr) {
             case 4: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 4); break;
             case 3: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 3); break;
             case 2: pv_rows(ar, Dp, al, wr, vp, nv, D, dtype, &pf, pn, 2); break;
@@ -825,12 +1226,9 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
   /* The unnormalized partial of this item: acc [K][R][D], m and l [K][R]. */
   for (int64_t x = 0; x < K * R; x++) {
 #if RKV_AVX2
-    if (fast && RKV_PERM16(dtype)) {  /* back from (even, odd) per 16 columns */
-      const float* src = w->acc + x * Dp;
-      float* dst = p_acc + x * D;
-      for (int64_t d = 0; d < D; d += 16)
-        for (int e = 0; e < 8; e++) { dst[d + 2 * e] = src[d + e]; dst[d + 2 * e + 1] = src[d + 8 + e]; }
-    } else
+    if (fast && RKV_PERM16(dtype))  /* back from the path's (even, odd) order */
+      rkv_unperm_row(p_acc + x * D, w->acc + x * Dp, D, perm_hw);
+    else
 #endif
     memcpy(p_acc + x * D, w->acc + x * Dp, sizeof(float) * D);
     p_m[x] = w->m[x];
