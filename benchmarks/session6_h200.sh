@@ -18,7 +18,10 @@
 #           layers and this thread's dispatches share what is left of the 16 cores), at 1M
 #           alternating with the default; 512K half-offloaded with the early starts on / off.
 #           ${MARCH_ROWS:-}: also the CPU kernel's rates built for x86-64-v3 / v4.
-# Usage: bash benchmarks/session6_h200.sh a|b|c|d
+#   part e: the CPU kernel's 512-bit path (built for x86-64-v4 on an AVX-512 host): bf16 / int8
+#           rates at 512K cells, 15 threads, v3 and v4 builds; then 2M int8 under the default
+#           budget with the profile's int8 share set to the v4 build's measured int8 / bf16 ratio.
+# Usage: bash benchmarks/session6_h200.sh a|b|c|d|e
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 P=${P:-benchmarks/results/profile_h200_v3.json}
@@ -84,6 +87,25 @@ case "$PART" in
     GOMP_SPINCOUNT=100000 m spin100k
     RKV_EARLY_CPU=0 RKV_EARLY_PUTS=0 T=90 run half512_e0 --configs=rkv_offload --contexts=524288
     T=90 run half512_e1 --configs=rkv_offload --contexts=524288
+    ;;
+  e)
+    for mv in x86-64-v3 auto; do
+      echo "== cpu rates $mv $(date +%T)"
+      RKV_CPU_MARCH=$([ $mv = auto ] || echo $mv) PYTHONPATH=$PWD timeout 60 python3 -c "
+import json, rkv
+from rkv.offload import cpu_attention as ca
+r = {dt: ca.measure_cpu_attention(524288, dtype=dt, num_threads=15, repeats=7) / 1e9
+     for dt in ('bfloat16', 'int8')}
+r['isa'] = ca.kernel_isa()
+print(r); json.dump(r, open('$D/cpu_rates_$mv.json', 'w'))" 2>&1 | tail -1
+      pack
+    done
+    python3 -c "
+import json; r = json.load(open('$D/cpu_rates_auto.json')); p = json.load(open('$P'))
+p['cpu_int8_share'] = r['int8'] / r['bfloat16']; p['source'] += ' (cpu_int8_share: session6 e)'
+json.dump(p, open('$D/profile_int8.json', 'w'))" && \
+      P=$D/profile_int8.json T=100 run 2m_int8_v4 --configs=rkv_offload --budget=auto \
+        --contexts=2097152 --kv_dtype=int8
     ;;
 esac
 echo "== done $(date +%T)"
