@@ -20,23 +20,24 @@ PICK = [
      "streamed tiles started before the append (rkv.rolling.early_cpu_share, early_puts); with "
      "both off in the same run, before and after it: 6.55 and 7.12 tok/s",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("session5/e/1m_ab_e1_3.json", "shipped defaults: early CPU share and puts (the median of "
-     "three runs alternating with both off in one run: on 7.63 / 7.18 / 7.58, off 7.05 / 6.53 / "
-     "7.25 tok/s)",
+    ("session6/d/1m_base1.json", "shipped defaults with the CPU kernel's 256-bit build (the "
+     "512-bit path came later the same session): the median of the session's eight default "
+     "runs on four machines is 7.72 tok/s (7.26-8.21: session6/a/1m_chain0_*, b/1m_base*, "
+     "c/1m_f98_*, d/1m_base*)",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session3/half512.json", "before the early CPU share and puts (fused projections, general "
-     "layered path)",
+    ("session6/d/half512_e1.json", "shipped defaults, 256-bit CPU kernel build; with the early "
+     "CPU share and puts off in the same run 2.53 tok/s (session6/d/half512_e0.json), on another "
+     "machine 2.11 (session6/c/); 2.66 in session 3 before the early starts",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session4/a/2m_int8.json", "before the early CPU share and puts, and the CPU kernel's int8 "
-     "share: int8 appends "
-     "quantized in one program (0bc35ff); the planner models the CPU kernel's int8 rate, here "
-     "with the fallback share 0.52 (the default's measured 0.673 makes the same plan: 2 of 6 "
-     "tiles a layer on the CPU); the bound uses the int8 rate (9.29 tok/s with bf16's)",
+    ("session6/c/2m_int8.json", "shipped defaults, 256-bit CPU kernel build, the profile's "
+     "fallback int8 share 0.52 (2 of 6 tiles a layer on the CPU); the bound uses the int8 rate. "
+     "With the 512-bit build and its measured int8 share (0.75) on another machine: 4.48 tok/s, "
+     "bound 7.89 (session6/e/2m_int8_v4.json); 3.52 in session 4 before the early starts",
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session3/res_32k_512k.json", "shipped defaults (fused projections)",
      [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session3/b8_reserve.json", "shipped defaults (the planner's reserve narrowed to the plan's "
-     "own tiles, 5342941: 8.75 GiB on the host where the worst-case reserve put 13.75)",
+    ("session6/c/b8_128k.json", "shipped defaults (the cpu tactic in every layer; 39.82 in "
+     "session 3)",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 

@@ -13,7 +13,7 @@
 #           ($RKV_CPU_TAIL_THREADS 15 / 12 / 10 with both early starts; both off at 15, first and
 #           last, for the drift), then 1M (default budget) early at 12 threads and off at 15.
 #   part e: 1M (default budget), early starts off / on alternating, three pairs, 10 timed steps.
-#   part f (not run yet): 1M (default budget), the fused two-program decode step
+#   part f (never run; session6_h200.sh b measured the fused step at 1M instead): 1M, the fused step
 #           ($RKV_FUSED_DECODE=1) against the general path with the early starts, three
 #           alternating pairs: whether fewer dispatches a layer now shorten the host chain.
 # The session's results: benchmarks/results/beyond_hbm/session5/ (a/ .. e/ by part; the raw traces

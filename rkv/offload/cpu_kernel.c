@@ -65,6 +65,9 @@
  * 18.4 -> 21.5 (rkv_read_sum: 16 and 32 GB/s); with K/V in L2, int8 34 -> 22 ns per (cell,
  * head), of which QK ~8.4 and p @ V ~7.2 (L1 micro-benchmark): near the two-port bound of their
  * ~107 vector instructions.
+ * On the H200 host (16-core Xeon, AVX-512; 512K cells, 15 threads, one run): bf16 95.1 GB/s
+ * against the 256-bit build's 69.6, int8 71.1 against 42.3
+ * (benchmarks/results/beyond_hbm/session6/e/cpu_rates_*.json).
  *
  * Measured on the H200 host (16 cores, the tactics' 15 threads, the pinned tail read in place;
  * experiments/tactics_bench.py): 78-86 GB/s, 0.81-0.89 of its measured read bandwidth

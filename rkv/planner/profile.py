@@ -211,7 +211,12 @@ class Profile:
 # tactics_bench_h200_run6.json, whose every tactic ran within 0.87-1.11x of this model), rounded.
 # Machines of the kind differ run to run (host read 79.6-97.1 GB/s across five runs): run
 # experiments/probe.py on yours. The first probe's figures (format 1, before the fixed costs and
-# the register-blocked kernel) are in benchmarks/results/profile_h200.json.
+# the register-blocked kernel) are in benchmarks/results/profile_h200.json. The CPU figures were
+# probed with the kernel's 256-bit build. Its 512-bit path (built on AVX-512 hosts since session 6)
+# read bf16 at 95.1 GB/s against 69.6, and int8 at 71.1 against 42.3 (0.75 of bf16), on the H200
+# host in one run (benchmarks/results/beyond_hbm/session6/e/). Not re-probed yet: each hybrid layer
+# there is held by its serial CPU chain (docs/DESIGN.md §7), and moving more tiles to the CPU on
+# these figures is unmeasured.
 H200_DEFAULT = Profile(
     # pinned_host <-> device device_put over 64 MiB .. 1 GiB: 54.30 GB/s + 787 us a call (one
     # fixed cost per streamed call, not per tile); device -> host 52.52 GB/s.
