@@ -3,7 +3,8 @@
 # $OUT/s6_<part>.tgz after each step.
 #   part a: the next hybrid layer's first tiles requested right after this layer's merge
 #           (next_layer_puts, $RKV_CHAIN_PUTS; the change was measured slower and reverted, its
-#           diff is not in the tree): 1M under the default budget, on / off alternating, two
+#           diff is in results/beyond_hbm/session6/a/next_layer_puts.diff: apply it to re-run this
+#           part, without it both arms are the same code): 1M under the default budget, alternating, two
 #           pairs, 10 timed steps; 128K half-offloaded on, and its trace (raw trace kept).
 #   part b: the host chain of a hybrid layer, at 1M under the default budget: Python's GIL
 #           switch interval ($SI_US, sys.setswitchinterval: the worker waited ~0.3 ms for the GIL

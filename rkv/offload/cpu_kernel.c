@@ -225,21 +225,35 @@ RKV_INLINE __m256 load8_tail(const char* p, int64_t d, int64_t n, const int dtyp
   return _mm256_loadu_ps(tmp);
 }
 
+/* The Cephes expf constants, shared by exp256 and exp512: the clamp, log2(e), ln 2 in two parts
+ * (x = n ln2 + r exactly) and the degree-5 polynomial in r. */
+#define RKV_EXP_LO -87.3365478515625f
+#define RKV_EXP_HI 88.3762626647949f
+#define RKV_EXP_LOG2E 1.44269504088896341f
+#define RKV_EXP_LN2_HI 0.693359375f
+#define RKV_EXP_LN2_LO -2.12194440e-4f
+#define RKV_EXP_P0 1.9875691500E-4f
+#define RKV_EXP_P1 1.3981999507E-3f
+#define RKV_EXP_P2 8.3334519073E-3f
+#define RKV_EXP_P3 4.1665795894E-2f
+#define RKV_EXP_P4 1.6666665459E-1f
+#define RKV_EXP_P5 5.0000001201E-1f
+
 /* exp for x <= 0 (Cephes expf polynomial, ~1 ulp; inputs below -87.3 give ~1e-38, not 0). */
 static inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(RKV_EXP_LO));
+  x = _mm256_min_ps(x, _mm256_set1_ps(RKV_EXP_HI));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(RKV_EXP_LOG2E), _mm256_set1_ps(0.5f));
   fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(RKV_EXP_LN2_HI), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(RKV_EXP_LN2_LO), x);
   __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 y = _mm256_set1_ps(RKV_EXP_P0);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(RKV_EXP_P1));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(RKV_EXP_P2));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(RKV_EXP_P3));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(RKV_EXP_P4));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(RKV_EXP_P5));
   y = _mm256_fmadd_ps(y, z, x);
   y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)),
@@ -643,19 +657,19 @@ RKV_INLINE __m256 hsum8x16(const __m512* v) {
 
 /* exp256 at 16 lanes (same polynomial); vscalefps applies the 2^n. */
 static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(RKV_EXP_LO));
+  x = _mm512_min_ps(x, _mm512_set1_ps(RKV_EXP_HI));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(RKV_EXP_LOG2E), _mm512_set1_ps(0.5f));
   fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(RKV_EXP_LN2_HI), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(RKV_EXP_LN2_LO), x);
   const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 y = _mm512_set1_ps(RKV_EXP_P0);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(RKV_EXP_P1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(RKV_EXP_P2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(RKV_EXP_P3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(RKV_EXP_P4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(RKV_EXP_P5));
   y = _mm512_fmadd_ps(y, z, x);
   y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, fx);
