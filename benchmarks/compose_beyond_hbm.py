@@ -16,28 +16,26 @@ RUNS = os.path.join(HERE, "beyond_hbm")
 PICK = [
     ("fused_ab/res_new.json", "shipped defaults (fused q/k/v and gate/up projections)",
      [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16")]),
-    ("session5/d/half_e1_t15.json", "shipped defaults: the hybrid CPU share and the first "
-     "streamed tiles started before the append (rkv.rolling.early_cpu_share, early_puts); with "
-     "both off in the same run, before and after it: 6.55 and 7.12 tok/s",
+    ("session7/d/half128.json", "shipped defaults: a rolling layer's merge and post_attention in "
+     "the next layer's pre_attention program (the join), the CPU kernel's 512-bit build; 8.55 tok/s "
+     "on another machine the same session (session7/c/half128_h0.json)",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("session6/d/1m_base1.json", "shipped defaults with the CPU kernel's 256-bit build (the "
-     "512-bit path came later the same session): the median of the session's eight default "
-     "runs on four machines is 7.72 tok/s (7.26-8.21: session6/a/1m_chain0_*, b/1m_base*, "
-     "c/1m_f98_*, d/1m_base*)",
+    ("session7/d/1m_base_2.json", "shipped defaults (the join, the 512-bit CPU kernel): the "
+     "session's eight default runs on three machines ran 4.23-8.27 tok/s, median 8.08 "
+     "(session7/a/1m_join_*, b/1m_v3_*, c/1m_h0_*, d/1m_base_*); session 6's eight, 7.72",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session6/d/half512_e1.json", "shipped defaults, 256-bit CPU kernel build; with the early "
-     "CPU share and puts off in the same run 2.53 tok/s (session6/d/half512_e0.json), on another "
-     "machine 2.11 (session6/c/); 2.66 in session 3 before the early starts",
+    ("session7/d/half512.json", "shipped defaults (the join, the 512-bit CPU kernel); 2.42 in "
+     "session 6, 2.66 in session 3",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session6/c/2m_int8.json", "shipped defaults, 256-bit CPU kernel build, the profile's "
-     "fallback int8 share 0.52 (2 of 6 tiles a layer on the CPU); the bound uses the int8 rate. "
-     "With the 512-bit build and its measured int8 share (0.75) on another machine: 4.48 tok/s, "
-     "bound 7.89 (session6/e/2m_int8_v4.json); 3.52 in session 4 before the early starts",
+    ("session7/d/2m_int8.json", "shipped defaults (the join, the 512-bit CPU kernel), the "
+     "profile's fallback int8 share 0.52 (2 of 6 tiles a layer on the CPU); the bound uses the "
+     "int8 rate. Planned with the v6 probe (int8 share 0.75) on another machine: 4.95 tok/s, "
+     "bound 8.19 (session7/b/2m_int8_v6.json); 5.20 in session 6",
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session3/res_32k_512k.json", "shipped defaults (fused projections)",
      [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session6/c/b8_128k.json", "shipped defaults (the cpu tactic in every layer; 39.82 in "
-     "session 3)",
+    ("session7/d/b8_128k.json", "shipped defaults (the cpu tactic in every layer, the join); "
+     "39.50 in session 6, 39.82 in session 3",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 

@@ -241,12 +241,14 @@ class RollingKV:
     """The position after the last cell written: the default start of the next chunk."""
     return jnp.int32(self.fill)
 
-  def attend(self, q, k, v, positions, **kw) -> tuple[jax.Array, "RollingKV"]:
+  def attend(self, q, k, v, positions, *, merge=True, **kw) -> tuple[jax.Array, "RollingKV"]:
     """Appends the chunk's ``k, v`` at ``positions`` and returns ``(o, new cache)``: causal
     :func:`rkv.rolling_attention` of ``q`` over every cell with the cache's tactic (``kw``: its
     ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``lookahead``, ``cpu_threads``,
-    ``staged``). A hybrid decode step starts its CPU share and requests its first streamed tiles
-    before the append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
+    ``staged``). ``merge=False`` returns ``(parts, new cache)`` instead: the unmerged ``(o, lse)``
+    partials, for a caller that merges them in its next program
+    (:func:`rkv.rolling.merge_parts`; ``layered_forward`` does, with ``post_attention``). A
+    hybrid decode step starts its CPU share and requests its first streamed tiles before the append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
     ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off)."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES
@@ -271,9 +273,9 @@ class RollingKV:
                                         schedule=kw["schedule"], lookahead=kw["lookahead"])
     with jax.profiler.TraceAnnotation("rkv.append"):
       new = self.append(k, v, positions)
-    o, _ = rolling._rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
-                                      cpu_fraction=share, cpu_future=cpu_future, **kw)
-    return o, new
+    out = rolling._rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
+                                     cpu_fraction=share, cpu_future=cpu_future, merge=merge, **kw)
+    return (out[0] if merge else out), new
 
   def streamed_tiles(self) -> tuple:
     """The host tiles a step streams, in order, for a prefetcher (``()`` for ``cpu``)."""

@@ -355,9 +355,35 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
 
 
 def _rolling_attention(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, schedule,
-                       lookahead, cpu_fraction, cpu_threads, staged, cpu_future=None):
+                       lookahead, cpu_fraction, cpu_threads, staged, cpu_future=None, merge=True):
   """:func:`rolling_attention`; ``cpu_future``: the hybrid CPU share already started by
-  :func:`early_cpu_share` for these tiles (RollingKV.attend's decode step)."""
+  :func:`early_cpu_share` for these tiles (RollingKV.attend's decode step). ``merge=False``
+  returns the partials unmerged, a tuple of ``(o, lse)`` pairs (:func:`merge_parts` merges them):
+  a ``cpu`` / ``hybrid`` layer's device partial (if any) and the CPU kernel's (numpy), else the
+  one merged partial."""
+  out = _rolling_parts(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
+                       scale=scale, tactic=tactic, impl=impl, schedule=schedule,
+                       lookahead=lookahead, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
+                       staged=staged, cpu_future=cpu_future, merge=merge)
+  if merge:
+    return out
+  return tuple(out) if isinstance(out, _Parts) else (out,)
+
+
+class _Parts(tuple):
+  """The unmerged partials of a ``cpu`` / ``hybrid`` layer (``merge=False``)."""
+
+
+def merge_parts(parts, out_dtype):
+  """``(o, lse)`` of the partials :meth:`rkv.RollingKV.attend` returns with ``merge=False``,
+  merged exactly (float32 LSE; ``o`` cast to ``out_dtype``). Traceable: a caller merges them
+  inside its next program (``layered_forward``: with ``post_attention`` and the next layer's
+  ``pre_attention``), one dispatch instead of three."""
+  return stream.merge_all(list(parts), out_dtype=out_dtype)
+
+
+def _rolling_parts(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, schedule,
+                   lookahead, cpu_fraction, cpu_threads, staged, cpu_future, merge):
   where = "rolling_attention"
   common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
                 schedule=schedule, lookahead=lookahead)
@@ -390,7 +416,8 @@ def _rolling_attention(q, kv, *, q_pos, causal, window, softcap, scale, tactic, 
                             cpu_fraction)
   if n_stream < n_tiles:
     return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
-                          cpu_threads=cpu_threads, staged=staged, cpu_future=cpu_future)
+                          cpu_threads=cpu_threads, staged=staged, cpu_future=cpu_future,
+                          merge=merge)
   tiles = _tiles(kv, n_tiles, staged)
   if schedule == "eager" and not _tracing(q, q_pos, kv) and not _all_staged(tiles):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
@@ -410,7 +437,7 @@ def _cpu_kwargs(q_pos, static, *, n_stream, n_tiles, cpu_threads) -> dict:
 
 
 def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None,
-                   cpu_future=None):
+                   cpu_future=None, merge=True):
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU, the window, staging and tiles
   ``[0, n_stream)`` on the device meanwhile; one exact merge. The CPU share runs in a worker
   thread while this one streams tiles eagerly, else on this thread after the device partials
@@ -437,7 +464,7 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
         device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
                            **static)
     o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw)
-    return _merge_cpu(q, device, o_cpu, lse_cpu)
+    return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
   # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
   # started at once: it copies q (and q_pos) down itself (np.asarray: a small device → host
   # copy), and reads the tail tiles in place; the GIL is released while it runs.
@@ -450,11 +477,12 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   finally:
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
-  return _merge_cpu(q, device, o_cpu, lse_cpu)
+  return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
 
 
-def _merge_cpu(q, device, o_cpu, lse_cpu):
-  """The CPU partial (numpy float32) moved to q's device and merged with the device one."""
+def _merge_cpu(q, device, o_cpu, lse_cpu, *, merge=True):
+  """The CPU partial (numpy float32) moved to q's device and merged with the device one
+  (``merge=False``: the two partials, unmerged, as :class:`_Parts`)."""
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
     if dev is None or dev == jax.devices()[0]:
@@ -464,6 +492,8 @@ def _merge_cpu(q, device, o_cpu, lse_cpu):
     else:
       cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))
     parts = [cpu_part] if device is None else [device, cpu_part]
+    if not merge:
+      return _Parts(parts)
     return stream._merge_jit(parts, out_dtype=q.dtype)
 
 

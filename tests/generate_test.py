@@ -207,10 +207,16 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 21)).astype(np.int32)
   _, leave = transformer._edge_programs(
       cfg, *transformer._split_flat((model.embed, model.final_norm, model.lm_head))[:2])
-  pre, post, _ = transformer._block_programs(*transformer._split_flat(model.layers[1])[:2])
-  assert (leave._cache_size(), pre._cache_size(), post._cache_size()) == (0, 0, 0)
+  defs = transformer._split_flat(model.layers[1])[:2]
+  pre, _, _ = transformer._block_programs(*defs)
+  # A rolling layer's merge and post_attention run in the next layer's join (or the last one's
+  # close): those are the block programs of a decode step, with the first layer's pre.
+  join, close = transformer._join_programs(defs, defs)
+  programs = (leave, pre, join, close)
+  count = lambda: tuple(f._cache_size() for f in programs)
+  assert count() == (0, 0, 0, 0)
   assert gen.warm_up(model, batch=2) > 0
-  sizes = (leave._cache_size(), pre._cache_size(), post._cache_size())
+  sizes = count()
   assert min(sizes) >= 1
   plan = gen.force_stream(
       rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20)), 5, 4)
@@ -219,11 +225,10 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
   pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
   _, caches = fwd(tokens[:, :18], pos(0, 18), caches)
   assert leave._cache_size() == sizes[0]           # the chunk's logits: the warmed program
-  after_chunk = (pre._cache_size(), post._cache_size())  # (the chunk's own block halves)
+  after_chunk = count()                            # (the chunk's own block programs)
   for i in range(18, 21):
     _, caches = fwd(tokens[:, i:i + 1], pos(i, i + 1), caches)
-  assert (leave._cache_size(), pre._cache_size(), post._cache_size()) == (
-      sizes[0], *after_chunk)                        # decode: all warmed
+  assert count() == after_chunk                    # decode: all warmed
   for bad, match in ((dict(batch=0), "batch"), (dict(lengths=()), "lengths"),
                      (dict(lengths=(0,)), "lengths")):
     with pytest.raises(ValueError, match=match):
@@ -272,6 +277,25 @@ def test_layered_forward_prefetch_equals_no_prefetch(tactic):
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   with pytest.raises(ValueError, match="prefetch_tiles"):
     models.layered_forward(model, prefetch_tiles=-1)
+
+
+@pytest.mark.parametrize("tactic", ["stream", "hybrid", "cpu"])
+def test_layered_forward_join_equals_separate_programs(monkeypatch, tactic):
+  """A rolling layer's merge and post_attention run inside the next layer's pre_attention program
+  (the join, the default) or as programs of their own ($RKV_JOIN_LAYERS=0): the same cells, the
+  same float32 merge; logits agree to float32 rounding and the caches are equal, through a
+  prefill, decode steps and a flush. The joins are built only when they are on."""
+  joined = _decode_with(tactic)
+  monkeypatch.setenv("RKV_JOIN_LAYERS", "0")
+  separate = _decode_with(tactic)
+  for x, y in zip(joined[0], separate[0]):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(joined[1]), jax.tree.leaves(separate[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  monkeypatch.setenv("RKV_JOIN_LAYERS", "sometimes")
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
+  with pytest.raises(ValueError, match="RKV_JOIN_LAYERS"):
+    models.layered_forward(model)
 
 
 # ----------------------------------------------------------------------------------------------

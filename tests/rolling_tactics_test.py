@@ -463,3 +463,29 @@ def test_degenerate_inputs_agree_across_tactics(tactic):
     with pytest.raises(ValueError, match=match):
       cpu_lib.cpu_attention(np.ones((1, 1, 4, 16), np.float32), np.ones((1, 9, 2, 16), np.float32),
                             np.ones((1, 9, 2, 16), np.float32), **bad)
+
+
+@pytest.mark.parametrize("tactic,share", [("hybrid", 0.5), ("cpu", None), ("stream", None)])
+def test_attend_unmerged_parts_merge_to_the_merged_output(tactic, share):
+  # RollingKV.attend(merge=False) hands back the partials layered_forward merges in its next
+  # program: a cpu/hybrid layer's device and CPU partials (float32), else the one merged one;
+  # merged by rolling.merge_parts they are the merged attend's output and equal the reference.
+  rng = np.random.default_rng(13)
+  b, kh, h, d, cap = 1, 2, 8, 16, 64
+  k = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  v = rng.standard_normal((b, cap, kh, d)).astype(np.float32)
+  kv = lambda: rkv.RollingKV.from_arrays(  # an append donates the window: one cache per call
+      jnp.asarray(k[:, :40]), jnp.asarray(v[:, :40]), window_cells=8, tile_cells=8,
+      capacity=cap).with_tactic(tactic, share)
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+  new = (jnp.asarray(k[:, 40:41]), jnp.asarray(v[:, 40:41]), jnp.full((b, 1), 40, jnp.int32))
+  o, _ = kv().attend(q, *new, impl="xla")
+  parts, kv2 = kv().attend(q, *new, impl="xla", merge=False)
+  assert kv2.fill == 41 and isinstance(parts, tuple)
+  assert len(parts) == (1 if tactic == "stream" else 2), [type(p[0]) for p in parts]
+  merged, _ = rolling.merge_parts(parts, out_dtype=q.dtype)
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(o), rtol=0, atol=1e-6)
+  ref, _ = rkv.attention(q, jnp.asarray(k[:, :41]), jnp.asarray(v[:, :41]),
+                         q_pos=jnp.full((b, 1), 40, jnp.int32), impl="reference")
+  rtol, atol = TOLERANCES["float32"]["o"]
+  np.testing.assert_allclose(np.asarray(merged), np.asarray(ref), rtol=rtol, atol=atol)

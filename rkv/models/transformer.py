@@ -32,6 +32,8 @@ import numpy as np
 from flax import nnx
 
 from rkv.attention import IMPLS, attention
+from rkv import cache as cache_lib
+from rkv import rolling as rolling_lib
 from rkv import validation
 from rkv.offload import stream as stream_lib
 from rkv.models.config import ModelConfig, RopeConfig, dynamic_inv_freq
@@ -392,6 +394,40 @@ def _block_programs(graphdef, treedef):
   return pre, post, whole
 
 
+def _merged_post(block, x, parts, o_dtype):
+  o, _ = rolling_lib.merge_parts(parts, out_dtype=o_dtype)
+  return block.post_attention(x, o)
+
+
+@functools.lru_cache(maxsize=64)
+def _join_programs(prev_defs, defs):
+  """(join, close) around a rolling layer whose attention partials are not merged yet
+  (``RollingKV.attend(merge=False)``). ``join``: their merge, that layer's ``post_attention``
+  and the next layer's (structure ``defs``) ``pre_attention`` in one program; ``close``: the
+  merge and ``post_attention`` alone (the last rolling layer, or one before a resident layer).
+  Why one program: on the H200 host each dispatch of a hybrid layer's chain (merge, post, pre)
+  took 0.2-0.5 ms while the CPU kernel's threads held the cores, in series with the kernel
+  (docs/DESIGN.md §7, "what holds a hybrid layer now")."""
+  prev = lambda leaves: nnx.merge(prev_defs[0], jax.tree.unflatten(prev_defs[1], leaves))
+  block = lambda leaves: nnx.merge(defs[0], jax.tree.unflatten(defs[1], leaves))
+
+  @functools.partial(jax.jit, static_argnames="o_dtype")
+  def join(prev_leaves, leaves, x, parts, rope_cs, *, o_dtype):
+    x = _merged_post(prev(prev_leaves), x, parts, o_dtype)
+    return (x,) + tuple(block(leaves).pre_attention(x, rope_cs))
+
+  close = jax.jit(lambda leaves, x, parts, *, o_dtype: _merged_post(prev(leaves), x, parts,
+                                                                      o_dtype),
+                  static_argnames="o_dtype")
+  return join, close
+
+
+# $RKV_JOIN_LAYERS=0: a rolling layer's merge and post_attention run as separate programs again
+# (merged in attend, then post), and the next layer's pre_attention as a third (an A/B switch,
+# read when layered_forward builds its step).
+JOIN_ENV = "RKV_JOIN_LAYERS"
+
+
 def _split_flat(node):
   graphdef, state = nnx.split(node)
   leaves, treedef = jax.tree.flatten(state)
@@ -472,6 +508,14 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     raise ValueError(f"layered_forward: prefetch_tiles must be a non-negative int, got "
                      f"{prefetch_tiles!r}")
   prefetcher = stream_lib.Prefetcher(prefetch_tiles) if prefetch_tiles else None
+  # Rolling layers' partials merged in the next program (see _join_programs); not with a
+  # prefetcher, whose flow control waits on each layer's merged output. Layer i's join takes layer
+  # i-1's partials; built here, once (hashing graphdefs as an lru_cache key cost ~0.2 ms a call).
+  joins = closes = None
+  if validation.env_switch(JOIN_ENV, True) and prefetcher is None:
+    joins = [None] + [_join_programs(block_defs[i - 1], block_defs[i])[0]
+                      for i in range(1, len(block_defs))]
+    closes = [_join_programs(d, d)[1] for d in block_defs]
   planned = [None]  # the caches the prefetcher's current plan was made for
 
   def plan_prefetch(caches):
@@ -494,22 +538,45 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     new_caches = []
     chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
              if fused else None)
+    pending = None  # (layer, its parts, o dtype): a rolling layer before its merge and post
+
+    def close(x):
+      j, parts, o_dtype = pending
+      with jax.profiler.TraceAnnotation("rkv.layer.close"):
+        return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype)
+
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
       step = (fused_decode.plan_step(cache, tokens.shape[1], prefetching=prefetcher is not None)
               if chain is not None else None)
       if step is not None:
+        if pending is not None:
+          x, pending = close(x), None
         new_caches.append(chain.layer(i, block_defs[i], leaves, x, rope_cs, cache, step,
                                       attn_kw[i]))
         continue
       if chain is not None:
         x = chain.close(x)
       if cache.jittable:  # resident and ring caches: the whole layer is one program
+        if pending is not None:
+          x, pending = close(x), None
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
-        with jax.profiler.TraceAnnotation("rkv.layer.pre"):
-          q, k, v = pre(leaves, x, rope_cs)
+        if pending is not None:
+          with jax.profiler.TraceAnnotation("rkv.layer.join"):
+            x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, pending[1], rope_cs,
+                                  o_dtype=pending[2])
+          pending = None
+        else:
+          with jax.profiler.TraceAnnotation("rkv.layer.pre"):
+            q, k, v = pre(leaves, x, rope_cs)
         kw = attn_kw[i]
+        if joins is not None and isinstance(cache, cache_lib.RollingKV):
+          with jax.profiler.TraceAnnotation("rkv.layer.attend"):
+            parts, cache = cache.attend(q, k, v, positions, merge=False, **kw)
+          pending = (i, parts, np.dtype(q.dtype))
+          new_caches.append(cache)
+          continue
         tiles = cache.streamed_tiles() if prefetcher is not None else ()
         if tiles:
           with jax.profiler.TraceAnnotation("rkv.prefetch.take"):
@@ -525,6 +592,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         with jax.profiler.TraceAnnotation("rkv.layer.post"):
           x = post(leaves, x, o)
       new_caches.append(cache)
+    if pending is not None:
+      x, pending = close(x), None
     if chain is not None:
       x = chain.close(x)
     new_caches = tuple(new_caches)

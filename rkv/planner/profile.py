@@ -214,9 +214,10 @@ class Profile:
 # the register-blocked kernel) are in benchmarks/results/profile_h200.json. The CPU figures were
 # probed with the kernel's 256-bit build. Its 512-bit path (built on AVX-512 hosts since session 6)
 # read bf16 at 95.1 GB/s against 69.6, and int8 at 71.1 against 42.3 (0.75 of bf16), on the H200
-# host in one run (benchmarks/results/beyond_hbm/session6/e/). Not re-probed yet: each hybrid layer
-# there is held by its serial CPU chain (docs/DESIGN.md §7), and moving more tiles to the CPU on
-# these figures is unmeasured.
+# host in one run (benchmarks/results/beyond_hbm/session6/e/). Probed with it in session 7
+# (profile_h200_v6.json: cpu path 80.8 GB/s + 2356 us a call, hybrid CPU 74.1, int8 share 0.747):
+# the call's fixed cost, not the kernel's rate, dominates a layer's share, and the 1M default plan
+# is the same under both profiles and ran no faster on v6 (docs/DESIGN.md §7), so these stay.
 H200_DEFAULT = Profile(
     # pinned_host <-> device device_put over 64 MiB .. 1 GiB: 54.30 GB/s + 787 us a call (one
     # fixed cost per streamed call, not per tile); device -> host 52.52 GB/s.
