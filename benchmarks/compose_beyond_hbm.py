@@ -21,8 +21,10 @@ PICK = [
      "on another machine the same session (session7/c/half128_h0.json)",
      [("rkv_offload", 131072, 1, "bfloat16")]),
     ("session7/d/1m_base_2.json", "shipped defaults (the join, the 512-bit CPU kernel): the "
-     "session's eight default runs on three machines ran 4.23-8.27 tok/s, median 8.08 "
-     "(session7/a/1m_join_*, b/1m_v3_*, c/1m_h0_*, d/1m_base_*); session 6's eight, 7.72",
+     "session's ten default runs on four machines ran 4.23-8.63 tok/s, median 8.12 "
+     "(session7/a/1m_join_*, b/1m_v3_*, c/1m_h0_*, d/1m_base_*, e/1m_buf1_*; the last two with "
+     "the CPU kernel's cached tile pointers, the same as without in that run); session 6's "
+     "eight, 7.72",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
     ("session7/d/half512.json", "shipped defaults (the join, the 512-bit CPU kernel); 2.42 in "
      "session 6, 2.66 in session 3",

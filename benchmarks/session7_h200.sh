@@ -16,7 +16,9 @@
 #           it every arm is the same code).
 #   part d: the offloaded rows of decode_beyond_hbm_h200.json with the shipped defaults (the join
 #           on): 1M first and last, half-offloaded 128K / 512K, B=8 x 128K, 2M int8.
-# Usage: bash benchmarks/session7_h200.sh a|b|c|d
+#   part e: each tail tile's checked pointer reused while the tile lives (the CPU kernel's setup,
+#           $RKV_CPU_BUFFER_CACHE, on by default) against a lookup per call (=0), 1M alternating.
+# Usage: bash benchmarks/session7_h200.sh a|b|c|d|e
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 P=${P:-benchmarks/results/profile_h200_v3.json}
@@ -38,7 +40,7 @@ run() {  # run TAG ARGS...: one decode_bench call, its JSON at $D/TAG.json
      --profile=$P --plot= --out=$D/$tag.json "$@" 2>&1 | q | grep -E "tok/s|Error|error" | tail -4
   pack
 }
-m() { local tag=$1; shift; T=${T:-75} run 1m_$tag --configs=rkv_offload --budget=auto \
+m() { local tag=$1; shift; T=${T:-60} run 1m_$tag --configs=rkv_offload --budget=auto \
         --contexts=1048576 --offload_steps=10 "$@"; }
 case "$PART" in
   a)
@@ -74,6 +76,9 @@ case "$PART" in
     T=95 run b8_128k --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     T=110 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
     m base_2
+    ;;
+  e)
+    for i in 1 2; do m buf1_$i; RKV_CPU_BUFFER_CACHE=0 T=60 m buf0_$i; done
     ;;
 esac
 echo "== done $(date +%T)"

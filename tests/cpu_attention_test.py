@@ -591,3 +591,37 @@ def test_hot_shape_nan_in_a_visible_cell(dtype, t, g):
   o, lse = ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs)
   assert np.isnan(lse[1, 0, 2]) and np.isnan(o[1, 0, 2]).all()
   assert np.isfinite(lse[1, 0, 3]) and np.isfinite(lse[1, 0, :2]).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_tail_tile_pointers_are_reused_while_the_tiles_live(monkeypatch, dtype):
+  # cpu_attention_tail checks each tail tile (memory kind, layout, readiness, pointer) once and
+  # reuses it while that array lives: a second call looks no tile up, the result is the same; a
+  # deleted tile is refused, not read through its old pointer; the cache keeps no tile alive.
+  import gc
+  import weakref
+  kv = _cache(dtype)
+  q = np.random.default_rng(14).standard_normal((2, 1, 8, 64)).astype(np.float32)
+  first = ca.cpu_attention_tail(q, kv)
+  looked_up = []
+  real = ca.host_buffer
+  monkeypatch.setattr(ca, "host_buffer",
+                      lambda x, **kw: looked_up.append(kw["name"]) or real(x, **kw))
+  again = ca.cpu_attention_tail(q, kv)
+  assert looked_up == []
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)
+  monkeypatch.setenv("RKV_CPU_BUFFER_CACHE", "0")  # the A/B switch: every tile looked up again
+  off = ca.cpu_attention_tail(q, kv)
+  per_tile = 5 if dtype == "int8" else 3  # k, v, positions (and the two scales)
+  assert len(looked_up) == per_tile * kv.n_full_tiles, looked_up
+  for a, b in zip(first, off):
+    np.testing.assert_array_equal(a, b)
+  monkeypatch.delenv("RKV_CPU_BUFFER_CACHE")
+  refs = [weakref.ref(t) for t in kv.tail.k[:kv.n_full_tiles]]
+  kv.tail.k[0].delete()
+  with pytest.raises(ValueError, match="deleted"):
+    ca.cpu_attention_tail(q, kv)
+  del kv
+  gc.collect()
+  assert all(r() is None for r in refs)

@@ -54,6 +54,7 @@ import ctypes
 import dataclasses
 import os
 import time
+import weakref
 
 import jax
 import ml_dtypes
@@ -233,6 +234,44 @@ def check_host_pointer(x) -> dict:
                                                   .reshape(-1))))
 
 
+# Each tail tile's HostBuffer, found once per array and reused while that array lives. Why: the
+# per-tile checks (memory kind, layout, block_until_ready, the pointer) and the positions' numpy
+# view were most of a call's ~120 us of Python on the dev box, and on the H200 host the worker's
+# setup before the kernel took 0.3-0.8 ms of a hybrid layer's serial chain (docs/DESIGN.md §7).
+# A tile is immutable once written (a flush adds a new array, never rewrites one), so its checked
+# pointer stays valid until the array is deleted or collected: keyed by id() with a weak reference
+# that must still name the same, undeleted array; the entry keeps no tile alive (a k/v tile is its
+# own owner, passed in again at each call) and drops itself when the array is collected. What it
+# does keep: a positions tile's int32 numpy copy (4 bytes a cell), freed with its entry.
+# No lock: a dict's get/set/pop are atomic under the GIL, and the weak reference's callback may run
+# inside any allocation (a non-reentrant lock taken there could deadlock); the one race, an entry
+# for a new array of a reused id popped by a stale callback, only costs a lookup.
+_BUFFERS: dict[int, tuple] = {}
+_BUFFERS_ENV = "RKV_CPU_BUFFER_CACHE"  # 0: look every tile up at every call (an A/B switch)
+
+
+def _tile_buffer(x, conv, *, name: str, where: str) -> HostBuffer:
+  """:func:`host_buffer` of ``conv(x)`` for a tail tile ``x``, cached while ``x`` (a jax.Array)
+  lives (the comment above)."""
+  cacheable = isinstance(x, jax.Array) and validation.env_switch(_BUFFERS_ENV, True)
+  if cacheable:
+    hit = _BUFFERS.get(id(x))
+    if hit is not None and hit[0]() is x and not x.is_deleted():
+      cached = hit[1]
+      return dataclasses.replace(cached, owner=x) if cached.owner is None else cached
+  buf = host_buffer(conv(x), name=name, where=where)
+  if cacheable:
+    key = id(x)
+
+    def forget(ref, key=key, table=_BUFFERS):  # bound now: at exit the module's names are gone
+      if table.get(key, (None,))[0] is ref:
+        table.pop(key, None)
+
+    stored = dataclasses.replace(buf, owner=None) if buf.owner is x else buf
+    _BUFFERS[key] = (weakref.ref(x, forget), stored)
+  return buf
+
+
 @dataclasses.dataclass(frozen=True)
 class _Table:
   """Tiles ``[t0, t1)`` of an array as base pointers + element strides inside a tile."""
@@ -272,7 +311,7 @@ def _table(x, name: str, where: str, *, n: int, b: int, tile: int, rest: tuple, 
                        f"{len(x)} tiles")
     bufs = []
     for i in range(t0, t1):
-      bf = host_buffer(conv(x[i]), name=f"{name}[{i}]", where=where)
+      bf = _tile_buffer(x[i], conv, name=f"{name}[{i}]", where=where)
       if bf.shape != tiled:
         raise ValueError(f"{where}: {name}[{i}] must have shape [B,tile{rest_names}]={tiled}, got "
                          f"{bf.shape}")
