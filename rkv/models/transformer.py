@@ -452,8 +452,13 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
 
   Each such layer runs as three steps: a jitted ``pre_attention`` (norm, q/k/v projections,
   q/k norms, RoPE), the cache's eager ``attend``, a jitted
-  ``post_attention`` (output projection, residual, MLP). A resident or ring layer runs as one
-  jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
+  ``post_attention`` (output projection, residual, MLP). A :class:`rkv.RollingKV` layer's
+  attention partials are left unmerged (``attend(merge=False)``) and its merge and
+  ``post_attention`` run inside the next layer's ``pre_attention`` program (the join; alone, as a
+  close, before a resident layer or the logits): one dispatch where there were three
+  (``$RKV_JOIN_LAYERS=0``: separate programs; measured the same on the H200, docs/DESIGN.md §7;
+  not with a prefetcher, whose flow control waits on each layer's merged output). A resident or
+  ring layer runs as one jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
   norm + logits are one program each. So a decode step dispatches a handful of programs per
   layer instead of a few dozen eager ops, and reads no device value back (but for the query of
   a ``cpu`` / ``hybrid`` layer, which the host kernel needs): the Python thread runs ahead of the

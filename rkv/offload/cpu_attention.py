@@ -14,7 +14,8 @@ Inputs are read **in place** through a pointer and element strides, never copied
 - numpy arrays (``bfloat16`` is ``ml_dtypes.bfloat16``): any strides with a contiguous head dim;
 - ``jax.Array`` s in host memory (``pinned_host`` on a GPU, any memory kind on the CPU backend):
   through ``unsafe_buffer_pointer()`` after ``block_until_ready()`` (a pending flush completes
-  first), with the layout checked to be plain row-major.
+  first), with the layout checked to be plain row-major. A cache tail's tiles are checked once and
+  their pointers reused while each tile array lives (``_tile_buffer``).
 
 Zero-copy access to ``pinned_host`` jax arrays (jax 0.11.2), what was found:
 - ``np.asarray(x)`` is zero-copy **only when the buffer belongs to a CPU device** (jaxlib's
