@@ -248,7 +248,8 @@ class RollingKV:
     ``staged``). ``merge=False`` returns ``(parts, new cache)`` instead: the unmerged ``(o, lse)``
     partials, for a caller that merges them in its next program
     (:func:`rkv.rolling.merge_parts`; ``layered_forward`` does, with ``post_attention``). A
-    hybrid decode step starts its CPU share and requests its first streamed tiles before the append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
+    hybrid decode step starts its CPU share and requests its first streamed tiles before the
+    append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
     ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off)."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES

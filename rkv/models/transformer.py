@@ -406,8 +406,9 @@ def _join_programs(prev_defs, defs):
   and the next layer's (structure ``defs``) ``pre_attention`` in one program; ``close``: the
   merge and ``post_attention`` alone (the last rolling layer, or one before a resident layer).
   Why one program: on the H200 host each dispatch of a hybrid layer's chain (merge, post, pre)
-  took 0.2-0.5 ms while the CPU kernel's threads held the cores, in series with the kernel
-  (docs/DESIGN.md §7, "what holds a hybrid layer now")."""
+  took 0.2-0.5 ms, in series with the CPU kernel (docs/DESIGN.md §7). Measured there: one
+  dispatch of ~0.5 ms where the three took ~1 ms, but the same step time (1M, session 7), the
+  layer being held by its tile copies; kept for the host time it saves."""
   prev = lambda leaves: nnx.merge(prev_defs[0], jax.tree.unflatten(prev_defs[1], leaves))
   block = lambda leaves: nnx.merge(defs[0], jax.tree.unflatten(defs[1], leaves))
 
@@ -450,20 +451,19 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
   ``HeadSplitKV``), whose attention is an eager schedule of transfers and device partials or
   the host CPU kernel.
 
-  Each such layer runs as three steps: a jitted ``pre_attention`` (norm, q/k/v projections,
-  q/k norms, RoPE), the cache's eager ``attend``, a jitted
-  ``post_attention`` (output projection, residual, MLP). A :class:`rkv.RollingKV` layer's
-  attention partials are left unmerged (``attend(merge=False)``) and its merge and
-  ``post_attention`` run inside the next layer's ``pre_attention`` program (the join; alone, as a
-  close, before a resident layer or the logits): one dispatch where there were three
-  (``$RKV_JOIN_LAYERS=0``: separate programs; measured the same on the H200, docs/DESIGN.md §7;
-  not with a prefetcher, whose flow control waits on each layer's merged output). A resident or
-  ring layer runs as one jitted block with its cache donated (its fill is data). Embedding + RoPE tables and the final
-  norm + logits are one program each. So a decode step dispatches a handful of programs per
-  layer instead of a few dozen eager ops, and reads no device value back (but for the query of
-  a ``cpu`` / ``hybrid`` layer, which the host kernel needs): the Python thread runs ahead of the
-  device. Every program is specialized on shapes only (a decode step
-  compiles once).
+  Each such layer runs as three steps: a jitted ``pre_attention`` (norm, q/k/v projections, q/k
+  norms, RoPE), the cache's eager ``attend``, a jitted ``post_attention`` (output projection,
+  residual, MLP). A :class:`rkv.RollingKV` layer's attention partials are left unmerged
+  (``attend(merge=False)``) and its merge and ``post_attention`` run inside the next layer's
+  ``pre_attention`` program (the join; alone, as a close, before a resident layer or the logits):
+  one dispatch where there were three (``$RKV_JOIN_LAYERS=0``: separate programs; measured the same
+  on the H200, docs/DESIGN.md §7; not with a prefetcher, whose flow control waits on each layer's
+  merged output). A resident or ring layer runs as one jitted block with its cache donated (its fill
+  is data). Embedding + RoPE tables and the final norm + logits are one program each. So a decode
+  step dispatches a handful of programs per layer instead of a few dozen eager ops, and reads no
+  device value back (but for the query of a ``cpu`` / ``hybrid`` layer, which the host kernel
+  needs): the Python thread runs ahead of the device. Every program is specialized on shapes only (a
+  decode step compiles once).
 
   ``schedule``: the rolling caches' streaming schedule (``rkv.rolling_attention``'s; None = its
   default). The parameters are a snapshot taken now, as in :func:`jit_forward`; the caches

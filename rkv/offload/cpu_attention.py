@@ -237,8 +237,9 @@ def check_host_pointer(x) -> dict:
 
 # Each tail tile's HostBuffer, found once per array and reused while that array lives. Why: the
 # per-tile checks (memory kind, layout, block_until_ready, the pointer) and the positions' numpy
-# view were most of a call's ~120 us of Python on the dev box, and on the H200 host the worker's
-# setup before the kernel took 0.3-0.8 ms of a hybrid layer's serial chain (docs/DESIGN.md §7).
+# view were most of a call's ~150 us of Python on the dev box (77 us with this), and on the H200
+# host the worker's setup before the kernel took 0.3-0.8 ms in a hybrid layer's chain; the step
+# there measured the same with and without it (docs/DESIGN.md §7): the copies hold that layer.
 # A tile is immutable once written (a flush adds a new array, never rewrites one), so its checked
 # pointer stays valid until the array is deleted or collected: keyed by id() with a weak reference
 # that must still name the same, undeleted array; the entry keeps no tile alive (a k/v tile is its
