@@ -278,9 +278,58 @@ def test_default_block_sizes():
      "num_splits"),
     (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(block_rows=8)),
      "block_rows"),
+    (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(split_merge="sum")),
+     "split_merge"),
     (lambda q, k, v: da.decode_attention_partials(jnp.zeros((1, 20, 8, 64)), k, v), "q"),
 ])
 def test_bad_input_raises(call, match):
   q, k, v = _inputs(14, 1, 2, 8, 2, 64, 64)
   with pytest.raises(ValueError, match=match):
     call(q, k, v)
+
+
+CHAIN = da.BlockSizes(block_k=16, num_splits=3, split_merge="chain")
+
+
+def test_chain_split_merge_matches_reference_and_tree():
+  # The online ("chain") merge of the splits, beside the default tree merge: the float64 reference
+  # on the cases that exercise the merge (uneven and empty splits, rows that see nothing, NaN in
+  # holes), and the tree merge's result to float32 rounding.
+  q, k, v = _inputs(15, 2, 3, 8, 2, 64, 100)
+  _check(q, k, v, tol_name="float32", block_sizes=CHAIN)
+  _check(q, k, v, tol_name="float32", block_sizes=CHAIN, causal=False, window=30)
+  b, s = 1, 120
+  q, k, v = _inputs(7, b, 2, 8, 2, 64, s)
+  k_pos = np.arange(s, dtype=np.int32)[None].copy()
+  k_pos[:, 48:96] = -1  # split 1 of 3 sees only empty slots
+  k = k.at[:, 48:96].set(jnp.nan)
+  v = v.at[:, 48:96].set(jnp.nan)
+  q_pos = jnp.asarray([[-3, 119]], jnp.int32)  # the first row sees nothing
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", block_sizes=CHAIN, q_pos=q_pos,
+                        k_pos=jnp.asarray(k_pos))
+  assert np.all(o[0, 0] == 0) and np.all(np.isneginf(lse[0, 0]))
+  tree = da.decode_attention(q, k, v, q_pos=q_pos, k_pos=jnp.asarray(k_pos), block_sizes=TINY,
+                             interpret=True)
+  for a, b_ in zip((o, lse), tree):
+    np.testing.assert_allclose(a, np.asarray(b_), rtol=1e-6, atol=1e-6)
+
+
+def test_chain_split_merge_propagates_nan():
+  q, k, v = _inputs(16, 1, 1, 8, 2, 64, 96)
+  k = k.at[0, 70, 1].set(jnp.nan)  # a visible key of kv head 1, in the last split
+  o, lse = da.decode_attention(q, k, v, block_sizes=CHAIN, interpret=True)
+  o, lse = np.asarray(o), np.asarray(lse)
+  assert np.all(np.isnan(o[0, 0, 4:])) and np.all(np.isnan(lse[0, 0, 4:]))  # heads of kv head 1
+  assert np.all(np.isfinite(o[0, 0, :4])) and np.all(np.isfinite(lse[0, 0, :4]))
+
+
+def test_split_merge_from_the_environment(monkeypatch):
+  resolve = lambda: da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
+                                            head_dim=128, kv_itemsize=2)
+  monkeypatch.delenv("RKV_DECODE_SPLIT_MERGE", raising=False)
+  assert resolve().split_merge == "tree"
+  monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", "chain")
+  assert resolve().split_merge == "chain"
+  monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", "fast")
+  with pytest.raises(ValueError, match="RKV_DECODE_SPLIT_MERGE"):
+    resolve()

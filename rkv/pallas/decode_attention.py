@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 from jax import lax
@@ -75,6 +76,9 @@ _MAX_ACC = 16 * 1024
 
 _INT32_MAX = 2**31 - 1
 
+SPLIT_MERGES = ("tree", "chain")
+SPLIT_MERGE_ENV = "RKV_DECODE_SPLIT_MERGE"
+
 
 # ---------------------------------------------------------------------------------------------------
 # (1) Block sizes
@@ -98,6 +102,13 @@ class BlockSizes:
   num_stages: int | None = None  # Triton software-pipelining depth of the K/V loads
   block_rows: int | None = None  # packed query rows per program (power of two >= 16); None: all R
                                  # rows up to 16K / Dp of them (accumulator register budget)
+  # How the wrapper merges the N split partials: "tree" (max, then the weighted sums: XLA makes
+  # ~5 small kernels of it) or "chain" (an online merge unrolled over N: elementwise, meant to fuse
+  # into one or two). None: $RKV_DECODE_SPLIT_MERGE, else "tree". Why "chain" exists: a resident
+  # decode step on the H200 is launch-bound (684 kernels, 6.28 ms of host launching against a
+  # 3.33 ms bound, docs/DESIGN.md §7), ~11 of them a layer in this kernel's wrapper. Unmeasured on
+  # the GPU yet, so not the default.
+  split_merge: str | None = None
 
   def resolve(self, *, batch: int, kv_heads: int, kv_len: int, rows: int, head_dim: int,
               kv_itemsize: int) -> BlockSizes:
@@ -126,8 +137,13 @@ class BlockSizes:
       # beyond, 8 warps (T=16 G=4 int8, [64, 128] + [64, 128], at 4 warps compiled to 255 registers).
       num_warps = 4 if rows * (head_dim + block_k) <= 4 * 32 * 96 else 8
     num_stages = 3 if self.num_stages is None else self.num_stages
+    split_merge = self.split_merge
+    if split_merge is None:
+      split_merge = os.environ.get(SPLIT_MERGE_ENV, "").strip() or "tree"
+      if split_merge not in SPLIT_MERGES:
+        raise ValueError(f"${SPLIT_MERGE_ENV} must be one of {SPLIT_MERGES}, got {split_merge!r}")
     return BlockSizes(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-                      num_stages=num_stages, block_rows=rows)
+                      num_stages=num_stages, block_rows=rows, split_merge=split_merge)
 
   def check(self, where: str) -> None:
     if self.block_k is not None and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
@@ -140,6 +156,9 @@ class BlockSizes:
       raise ValueError(f"{where}: block_sizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
     if self.num_stages is not None and self.num_stages < 1:
       raise ValueError(f"{where}: block_sizes.num_stages must be >= 1, got {self.num_stages}")
+    if self.split_merge is not None and self.split_merge not in SPLIT_MERGES:
+      raise ValueError(f"{where}: block_sizes.split_merge must be one of {SPLIT_MERGES}, got "
+                       f"{self.split_merge!r}")
     if self.block_rows is not None and (self.block_rows < 16
                                         or self.block_rows & (self.block_rows - 1)):
       raise ValueError(f"{where}: block_sizes.block_rows must be a power of two >= 16 (Triton dot), "
@@ -436,6 +455,29 @@ def _merge_splits(o_parts, lse_parts, axis: int):
   return o, lse
 
 
+def _merge_splits_chain(o_parts, lse_parts, axis: int):
+  """:func:`_merge_splits` as an online merge, split by split (N is static and small): only
+  elementwise ops on slices, so XLA can fuse it into one or two kernels instead of a reduction
+  chain. Same results to float32 rounding, same empty-row and NaN rules: a split with lse = -inf
+  adds nothing, all -inf gives lse = -inf and o = 0, a NaN lse or o gives NaN."""
+  take = lambda x, i: lax.index_in_dim(x, i, axis, keepdims=False)
+  m = take(lse_parts, 0)
+  den = jnp.where(m == -jnp.inf, 0.0, 1.0)
+  acc = den[..., None] * take(o_parts, 0)
+  for i in range(1, lse_parts.shape[axis]):
+    li = take(lse_parts, i)
+    m_new = jnp.maximum(m, li)
+    ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # both -inf: weights exp(-inf) = 0, no NaN
+    a, b = jnp.exp(m - ref), jnp.exp(li - ref)
+    den = den * a + b
+    acc = acc * a[..., None] + b[..., None] * take(o_parts, i)
+    m = m_new
+  seen = den != 0
+  o = acc / jnp.where(seen, den, 1.0)[..., None]
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+  return o, lse
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
                           softcap, scale, block_sizes, interpret):
@@ -446,7 +488,8 @@ def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None,
                                 block_sizes=block_sizes, interpret=interpret)
   rows = t * g
   # Merge on the packed layout (drop padded rows/columns first: the slices fuse into the merge).
-  o, lse = _merge_splits(o_p[..., :rows, :d], lse_p[..., :rows], axis=1)  # [B, K, rows, D], [B, K, rows]
+  merge = _merge_splits_chain if block_sizes.split_merge == "chain" else _merge_splits
+  o, lse = merge(o_p[..., :rows, :d], lse_p[..., :rows], axis=1)  # [B, K, rows, D], [B, K, rows]
   return _unpack(o, t, g, d).astype(q.dtype), _unpack(lse, t, g, None)
 
 
