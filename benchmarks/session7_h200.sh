@@ -19,27 +19,8 @@
 #   part e: each tail tile's checked pointer reused while the tile lives (the CPU kernel's setup,
 #           $RKV_CPU_BUFFER_CACHE, on by default) against a lookup per call (=0), 1M alternating.
 # Usage: bash benchmarks/session7_h200.sh a|b|c|d|e
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-P=${P:-benchmarks/results/profile_h200_v3.json}
-D=/tmp/s7; mkdir -p $D/x
-PART=${1:-a}
-pack() { tar czf $OUT/s7_$PART.tgz -C $D . 2>/dev/null; }
-q() { grep -v -i warn | grep -v "residency.py.*layer [1-9]" | grep -v "^I1\|^W1"; }
-trace() {  # trace TAG ARGS...: one decode_trace call, JSON at $D/trace_TAG.json, raw trace in x/TAG
-  local tag=$1; shift
-  echo "== trace $tag $(date +%T)"
-  PYTHONPATH=$PWD timeout ${T:-140} python3 -m experiments.decode_trace \
-    --profile=$P --out=$D/trace_$tag.json --xplane_dir=$D/x/$tag "$@" 2>&1 | q | tail -3
-  pack
-}
-run() {  # run TAG ARGS...: one decode_bench call, its JSON at $D/TAG.json
-  local tag=$1; shift
-  echo "== $tag $(date +%T)"
-  PYTHONPATH=$PWD timeout ${T:-120} python3 -m experiments.decode_bench \
-     --profile=$P --plot= --out=$D/$tag.json "$@" 2>&1 | q | grep -E "tok/s|Error|error" | tail -4
-  pack
-}
+D=/tmp/s7 NAME=s7 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
 m() { local tag=$1; shift; T=${T:-60} run 1m_$tag --configs=rkv_offload --budget=auto \
         --contexts=1048576 --offload_steps=10 "$@"; }
 case "$PART" in

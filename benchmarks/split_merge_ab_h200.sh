@@ -8,27 +8,16 @@
 #           of resident 2K with each (the kernels a step, per stream, in the JSON).
 # Every file goes to /tmp/sm and is packed into $OUT/sm_<part>.tgz after each step.
 # Usage: bash benchmarks/split_merge_ab_h200.sh a
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-P=${P:-benchmarks/results/profile_h200_v3.json}
-D=/tmp/sm; mkdir -p $D/x
-PART=${1:-a}
-pack() { tar czf $OUT/sm_$PART.tgz -C $D . 2>/dev/null; }
-q() { grep -v -i warn | grep -v "^I1\|^W1"; }
+D=/tmp/sm NAME=sm PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
   a)
     for i in 1 2; do for m in tree chain; do
-      echo "== resident $m $i $(date +%T)"
-      RKV_DECODE_SPLIT_MERGE=$m PYTHONPATH=$PWD timeout 150 python3 -m experiments.decode_bench \
-        --profile=$P --plot= --out=$D/res_${m}_$i.json --configs=rkv_resident \
-        --contexts=2048,32768,131072,524288 2>&1 | q | grep -E "tok/s|Error|error" | tail -5
-      pack
+      RKV_DECODE_SPLIT_MERGE=$m T=150 run res_${m}_$i --configs=rkv_resident \
+        --contexts=2048,32768,131072,524288
     done; done
     for m in tree chain; do
-      echo "== trace resident 2K $m $(date +%T)"
-      RKV_DECODE_SPLIT_MERGE=$m PYTHONPATH=$PWD timeout 120 python3 -m experiments.decode_trace \
-        --profile=$P --configs=resident:2048 --out=$D/trace_res2k_$m.json 2>&1 | q | tail -2
-      pack
+      RKV_DECODE_SPLIT_MERGE=$m T=120 trace res2k_$m --configs=resident:2048
     done
     ;;
 esac

@@ -1,0 +1,27 @@
+# Shared by the H200 scripts from session 7 on (sourced, not run): after setting D (the results
+# folder on the device), NAME (the $OUT archive's prefix) and PART, and optionally P (the profile).
+#   pack              archive $D as $OUT/${NAME}_$PART.tgz (after every step: a call cut short by
+#                     its time limit still returns what finished)
+#   run TAG ARGS...   one experiments.decode_bench call, its JSON at $D/TAG.json
+#   trace TAG ARGS... one experiments.decode_trace call, $D/trace_TAG.json, raw trace in $D/x/TAG
+# ${T:-...} bounds each call's seconds.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+P=${P:-benchmarks/results/profile_h200_v3.json}
+mkdir -p $D/x
+pack() { tar czf $OUT/${NAME}_$PART.tgz -C $D . 2>/dev/null; }
+q() { grep -v -i warn | grep -v "residency.py.*layer [1-9]" | grep -v "^I1\|^W1"; }
+trace() {
+  local tag=$1; shift
+  echo "== trace $tag $(date +%T)"
+  PYTHONPATH=$PWD timeout ${T:-140} python3 -m experiments.decode_trace \
+    --profile=$P --out=$D/trace_$tag.json --xplane_dir=$D/x/$tag "$@" 2>&1 | q | tail -3
+  pack
+}
+run() {
+  local tag=$1; shift
+  echo "== $tag $(date +%T)"
+  PYTHONPATH=$PWD timeout ${T:-120} python3 -m experiments.decode_bench \
+     --profile=$P --plot= --out=$D/$tag.json "$@" 2>&1 | q | grep -E "tok/s|Error|error" | tail -4
+  pack
+}
