@@ -7,6 +7,8 @@ Glossary: B T H K G D S (see rkv/__init__.py); N = number of splits along S.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,6 +283,8 @@ def test_default_block_sizes():
      "block_rows"),
     (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(split_merge="sum")),
      "split_merge"),
+    (lambda q, k, v: da.decode_attention(q, k, v, block_sizes=da.BlockSizes(query_pack="host")),
+     "query_pack"),
     (lambda q, k, v: da.decode_attention_partials(jnp.zeros((1, 20, 8, 64)), k, v), "q"),
 ])
 def test_bad_input_raises(call, match):
@@ -324,6 +328,26 @@ def test_chain_split_merge_propagates_nan():
   assert np.all(np.isfinite(o[0, 0, :4])) and np.all(np.isfinite(lse[0, 0, :4]))
 
 
+@pytest.mark.parametrize("t,h,kh,d", [(1, 8, 2, 64), (3, 8, 2, 96), (16, 64, 4, 32)],
+                         ids=["decode", "t3_d96", "t16_g16_row_blocks"])
+def test_queries_packed_in_the_kernel_equal_the_wrapper(t, h, kh, d):
+  # BlockSizes.query_pack="kernel": each program gathers its packed rows (and their positions)
+  # from q and q_pos itself; the same partials as the wrapper's packing, and the reference's.
+  q, k, v = _inputs(17, 2, t, h, kh, d, 90)
+  rng = np.random.default_rng(17)
+  q_pos = jnp.asarray(np.sort(rng.integers(20, 90, (2, t)), axis=1), jnp.int32)
+  kernel = da.BlockSizes(block_k=16, num_splits=3, query_pack="kernel",
+                         block_rows=16 if t == 16 else None)
+  wrapper = dataclasses.replace(kernel, query_pack="wrapper")
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", block_sizes=kernel, q_pos=q_pos, window=50)
+  got = da.decode_attention_partials(q, k, v, q_pos=q_pos, window=50, block_sizes=kernel,
+                                     interpret=True)
+  want = da.decode_attention_partials(q, k, v, q_pos=q_pos, window=50, block_sizes=wrapper,
+                                      interpret=True)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_split_merge_from_the_environment(monkeypatch):
   resolve = lambda: da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
                                             head_dim=128, kv_itemsize=2)
@@ -333,6 +357,14 @@ def test_split_merge_from_the_environment(monkeypatch):
   assert resolve().split_merge == "chain"
   monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", "fast")
   with pytest.raises(ValueError, match="RKV_DECODE_SPLIT_MERGE"):
+    resolve()
+  monkeypatch.delenv("RKV_DECODE_SPLIT_MERGE")
+  monkeypatch.delenv("RKV_DECODE_QUERY_PACK", raising=False)
+  assert resolve().query_pack == "wrapper"
+  monkeypatch.setenv("RKV_DECODE_QUERY_PACK", "kernel")
+  assert resolve().query_pack == "kernel"
+  monkeypatch.setenv("RKV_DECODE_QUERY_PACK", "host")
+  with pytest.raises(ValueError, match="RKV_DECODE_QUERY_PACK"):
     resolve()
 
 
@@ -344,6 +376,9 @@ TRITON_CONFIGS = [
     (4, 8, 2, 96, 1000, jnp.float32, dict(k_pos=True, window=64, softcap=30.0)),
     (2, 16, 4, 128, 2048, jnp.int8, dict(k_pos=True)),
     (16, 64, 4, 128, 4096, jnp.bfloat16, dict()),  # T=16, G=16: the rows split into row blocks
+    (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, query_pack="kernel")),
+    (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, query_pack="kernel")),
+    (16, 64, 4, 128, 4096, jnp.bfloat16, dict(query_pack="kernel", split_merge="chain")),
 ]
 
 
@@ -362,7 +397,8 @@ def test_lowers_to_verified_triton_ir(config, monkeypatch):
   scales = jax.ShapeDtypeStruct((b, s, kh), jnp.float32) if kv_dt == jnp.int8 else None
   k_pos = jax.ShapeDtypeStruct((b, s), jnp.int32) if opts.pop("k_pos", False) else None
   r_pad = max(16, 1 << (t * (h // kh) - 1).bit_length())
-  blocks = da.BlockSizes(split_merge=opts.pop("split_merge", "tree")).resolve(
+  blocks = da.BlockSizes(split_merge=opts.pop("split_merge", "tree"),
+                         query_pack=opts.pop("query_pack", "wrapper")).resolve(
       batch=b, kv_heads=kh, kv_len=s, rows=r_pad, head_dim=max(16, 1 << (d - 1).bit_length()),
       kv_itemsize=jnp.dtype(kv_dt).itemsize)
   traced = da._decode_attention_jit.trace(q, k, k, jax.ShapeDtypeStruct((b, t), jnp.int32), k_pos,

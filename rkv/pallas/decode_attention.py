@@ -78,6 +78,8 @@ _INT32_MAX = 2**31 - 1
 
 SPLIT_MERGES = ("tree", "chain")
 SPLIT_MERGE_ENV = "RKV_DECODE_SPLIT_MERGE"
+QUERY_PACKS = ("wrapper", "kernel")
+QUERY_PACK_ENV = "RKV_DECODE_QUERY_PACK"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,8 +109,13 @@ class BlockSizes:
   # into one or two). None: $RKV_DECODE_SPLIT_MERGE, else "tree". Why "chain" exists: a resident
   # decode step on the H200 is launch-bound (684 kernels, 6.28 ms of host launching against a
   # 3.33 ms bound, docs/DESIGN.md §7), ~11 of them a layer in this kernel's wrapper. Unmeasured on
-  # the GPU yet, so not the default.
+  # the GPU yet, so not the default (benchmarks/decode_wrapper_ab_h200.sh).
   split_merge: str | None = None
+  # Where the G*T query rows of a kv head are packed and padded into the [R, Dp] tile, with their
+  # positions: "wrapper" (XLA pad/transpose fusions before the kernel, two launches a call) or
+  # "kernel" (each program gathers its rows from q [B,T,H,D] and q_pos [B,T] itself). None:
+  # $RKV_DECODE_QUERY_PACK, else "wrapper". Unmeasured on the GPU yet (as split_merge, why).
+  query_pack: str | None = None
 
   def resolve(self, *, batch: int, kv_heads: int, kv_len: int, rows: int, head_dim: int,
               kv_itemsize: int) -> BlockSizes:
@@ -142,8 +149,14 @@ class BlockSizes:
       split_merge = os.environ.get(SPLIT_MERGE_ENV, "").strip() or "tree"
       if split_merge not in SPLIT_MERGES:
         raise ValueError(f"${SPLIT_MERGE_ENV} must be one of {SPLIT_MERGES}, got {split_merge!r}")
+    query_pack = self.query_pack
+    if query_pack is None:
+      query_pack = os.environ.get(QUERY_PACK_ENV, "").strip() or "wrapper"
+      if query_pack not in QUERY_PACKS:
+        raise ValueError(f"${QUERY_PACK_ENV} must be one of {QUERY_PACKS}, got {query_pack!r}")
     return BlockSizes(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-                      num_stages=num_stages, block_rows=rows, split_merge=split_merge)
+                      num_stages=num_stages, block_rows=rows, split_merge=split_merge,
+                      query_pack=query_pack)
 
   def check(self, where: str) -> None:
     if self.block_k is not None and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
@@ -159,6 +172,9 @@ class BlockSizes:
     if self.split_merge is not None and self.split_merge not in SPLIT_MERGES:
       raise ValueError(f"{where}: block_sizes.split_merge must be one of {SPLIT_MERGES}, got "
                        f"{self.split_merge!r}")
+    if self.query_pack is not None and self.query_pack not in QUERY_PACKS:
+      raise ValueError(f"{where}: block_sizes.query_pack must be one of {QUERY_PACKS}, got "
+                       f"{self.query_pack!r}")
     if self.block_rows is not None and (self.block_rows < 16
                                         or self.block_rows & (self.block_rows - 1)):
       raise ValueError(f"{where}: block_sizes.block_rows must be a power of two >= 16 (Triton dot), "
@@ -181,7 +197,7 @@ def _floor_pow2(n: int) -> int:
 def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, rows: int,
                    head_dim: int, causal: bool, window: int | None, softcap: float | None,
                    scale: float, dense_k_pos: bool, quantized: bool, pooled: bool,
-                   pool_rows: int, compute_dtype):
+                   pool_rows: int, compute_dtype, packed_in_kernel: tuple | None = None):
   """One (batch b, kv head h and row block, split n) program.
 
   Refs (leading block dims squeezed by the BlockSpecs):
@@ -192,6 +208,8 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     [R_pool, D] when pooled; k_scale, v_scale [S] (or [R_pool]) float32 (int8 only)
     outputs: o [Rb, Dp] float32 (normalised within the split), lse [Rb] float32 (natural log)
   ``rows`` = T*G, the packed rows that are real (the rest pad R to a power of two).
+  ``packed_in_kernel`` = (Rb, Dp, G): qpos is then q_pos [T] and q is q [T, H, D] of the batch row,
+  and the program gathers its Rb packed rows itself (padding rows and columns read as 0).
   """
   it = iter(refs)
   bounds_ref, qpos_ref, q_ref = next(it), next(it), next(it)
@@ -201,7 +219,25 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
   ks_ref, vs_ref = (next(it), next(it)) if quantized else (None, None)
   o_ref, lse_ref = next(it), next(it)
 
-  r_pad, d_pad = q_ref.shape
+  if packed_in_kernel is None:
+    r_pad, d_pad = q_ref.shape
+    q = q_ref[...]
+    qpos = qpos_ref[...]
+  else:
+    r_pad, d_pad, group = packed_in_kernel
+    j = pl.program_id(1)
+    row = (j % num_row_blocks) * r_pad + lax.broadcasted_iota(jnp.int32, (r_pad,), 0)
+    row_ok = row < rows
+    t_idx = jnp.where(row_ok, row // group, 0)  # row r = t*G + g reads query head kv*G + g of t
+    h_idx = (j // num_row_blocks) * group + row % group
+    tile = (r_pad, d_pad)
+    cols = lax.broadcasted_iota(jnp.int32, tile, 1)
+    q_ok = row_ok[:, None] & (cols < head_dim)
+    q = plgpu.load(q_ref.at[jnp.broadcast_to(t_idx[:, None], tile),
+                            jnp.broadcast_to(jnp.where(row_ok, h_idx, 0)[:, None], tile),
+                            jnp.minimum(cols, head_dim - 1)],
+                   mask=q_ok, other=0).astype(compute_dtype)
+    qpos = plgpu.load(qpos_ref.at[t_idx], mask=row_ok, other=0)
   lo, hi, kmin, kmax = bounds_ref[0], bounds_ref[1], bounds_ref[2], bounds_ref[3]
   # The N splits partition [lo, hi) in chunks that are whole blocks, so only the last block of the
   # last non-empty split is partial. hi - lo >= 0 is guaranteed by the wrapper.
@@ -210,8 +246,6 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
   stop = jnp.minimum(start + chunk, hi)
   num_blocks = (jnp.maximum(stop - start, 0) + block_k - 1) // block_k
 
-  q = q_ref[...]
-  qpos = qpos_ref[...]
   # float32 caches: full-precision dots. Triton's default for a float32 dot is TF32, which misses
   # the float32 tolerance by ~1e-3 (seen on the H200 in tests/attention_test.py).
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
@@ -376,18 +410,25 @@ def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, c
     return (jnp.zeros((b, n, kh, r_pad, d_pad), jnp.float32),
             jnp.full((b, n, kh, r_pad), -jnp.inf, jnp.float32))
 
-  # Pack the G*T rows of each kv head (row r = t*G + g); q is tiny, so this copy is free.
-  qp = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d).astype(cdt)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, r_pad - rows), (0, d_pad - d)))
-  qpos_rows = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, r_pad - rows)))
   bounds = _key_bounds(q_pos, k_pos, s, causal=causal, window=window)
-
   # Grid axis 1 is kv head * row block, row blocks of one head adjacent so that they read the same
   # K/V at about the same time (L2 hits). Axis 0 (B) is the fastest-launched.
-  operands = [bounds, qpos_rows, qp]
-  in_specs = [pl.BlockSpec((None, 4), lambda i, j, n_: (i, 0)),
-              pl.BlockSpec((None, rb), lambda i, j, n_: (i, j % nrb)),
-              pl.BlockSpec((None, None, rb, d_pad), lambda i, j, n_: (i, j // nrb, j % nrb, 0))]
+  in_kernel = block_sizes.query_pack == "kernel"
+  if in_kernel:  # each program gathers its packed rows from q and q_pos (see _decode_kernel)
+    operands = [bounds, q_pos, q]
+    in_specs = [pl.BlockSpec((None, 4), lambda i, j, n_: (i, 0)),
+                pl.BlockSpec((None, t), lambda i, j, n_: (i, 0)),
+                pl.BlockSpec((None, t, h, d), lambda i, j, n_: (i, 0, 0, 0))]
+  else:
+    # Pack the G*T rows of each kv head (row r = t*G + g); q is tiny, so this copy is cheap (but
+    # two XLA launches: see BlockSizes.query_pack).
+    qp = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d).astype(cdt)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, r_pad - rows), (0, d_pad - d)))
+    qpos_rows = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, r_pad - rows)))
+    operands = [bounds, qpos_rows, qp]
+    in_specs = [pl.BlockSpec((None, 4), lambda i, j, n_: (i, 0)),
+                pl.BlockSpec((None, rb), lambda i, j, n_: (i, j % nrb)),
+                pl.BlockSpec((None, None, rb, d_pad), lambda i, j, n_: (i, j // nrb, j % nrb, 0))]
   if k_pos is not None:
     operands.append(k_pos)
     in_specs.append(pl.BlockSpec((None, s), lambda i, j, n_: (i, 0)))
@@ -411,7 +452,8 @@ def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, c
   kernel = functools.partial(
       _decode_kernel, block_k=bk, num_splits=n, num_row_blocks=nrb, rows=rows, head_dim=d,
       causal=causal, window=window, softcap=softcap, scale=scale, dense_k_pos=k_pos is None,
-      quantized=quantized, pooled=pooled, pool_rows=r_pool, compute_dtype=cdt)
+      quantized=quantized, pooled=pooled, pool_rows=r_pool, compute_dtype=cdt,
+      packed_in_kernel=(rb, d_pad, g) if in_kernel else None)
   return pl.pallas_call(
       kernel,
       grid=(b, kh * nrb, n),
