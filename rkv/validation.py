@@ -288,3 +288,14 @@ def env_switch(name: str, default: bool) -> bool:
   if raw not in _SWITCH_ON + _SWITCH_OFF:
     raise ValueError(f"${name} must be 0/1 (false/true, off/on), got {raw!r}")
   return raw in _SWITCH_ON
+
+
+def env_choice(name: str, choices, default: str) -> str:
+  """An environment variable naming one of ``choices`` (unset or empty: ``default``), read now;
+  anything else is a ValueError naming the variable."""
+  raw = os.environ.get(name, "").strip()
+  if not raw:
+    return default
+  if raw not in choices:
+    raise ValueError(f"${name} must be one of {tuple(choices)}, got {raw!r}")
+  return raw

@@ -348,23 +348,18 @@ def test_queries_packed_in_the_kernel_equal_the_wrapper(t, h, kh, d):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_split_merge_from_the_environment(monkeypatch):
-  resolve = lambda: da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
-                                            head_dim=128, kv_itemsize=2)
-  monkeypatch.delenv("RKV_DECODE_SPLIT_MERGE", raising=False)
-  assert resolve().split_merge == "tree"
-  monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", "chain")
-  assert resolve().split_merge == "chain"
-  monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", "fast")
-  with pytest.raises(ValueError, match="RKV_DECODE_SPLIT_MERGE"):
-    resolve()
-  monkeypatch.delenv("RKV_DECODE_SPLIT_MERGE")
-  monkeypatch.delenv("RKV_DECODE_QUERY_PACK", raising=False)
-  assert resolve().query_pack == "wrapper"
-  monkeypatch.setenv("RKV_DECODE_QUERY_PACK", "kernel")
-  assert resolve().query_pack == "kernel"
-  monkeypatch.setenv("RKV_DECODE_QUERY_PACK", "host")
-  with pytest.raises(ValueError, match="RKV_DECODE_QUERY_PACK"):
+@pytest.mark.parametrize("field,env,choices", [
+    ("split_merge", "RKV_DECODE_SPLIT_MERGE", ("tree", "chain")),
+    ("query_pack", "RKV_DECODE_QUERY_PACK", ("wrapper", "kernel"))])
+def test_wrapper_options_from_the_environment(monkeypatch, field, env, choices):
+  resolve = lambda: getattr(da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
+                                                    head_dim=128, kv_itemsize=2), field)
+  monkeypatch.delenv(env, raising=False)
+  assert resolve() == choices[0]  # the default
+  monkeypatch.setenv(env, choices[1])
+  assert resolve() == choices[1]
+  monkeypatch.setenv(env, "other")
+  with pytest.raises(ValueError, match=env):
     resolve()
 
 

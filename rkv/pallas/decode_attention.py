@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 from jax import lax
@@ -76,7 +75,7 @@ _MAX_ACC = 16 * 1024
 
 _INT32_MAX = 2**31 - 1
 
-SPLIT_MERGES = ("tree", "chain")
+SPLIT_MERGES = ("tree", "chain")  # the first of each is the default
 SPLIT_MERGE_ENV = "RKV_DECODE_SPLIT_MERGE"
 QUERY_PACKS = ("wrapper", "kernel")
 QUERY_PACK_ENV = "RKV_DECODE_QUERY_PACK"
@@ -144,16 +143,10 @@ class BlockSizes:
       # beyond, 8 warps (T=16 G=4 int8, [64, 128] + [64, 128], at 4 warps compiled to 255 registers).
       num_warps = 4 if rows * (head_dim + block_k) <= 4 * 32 * 96 else 8
     num_stages = 3 if self.num_stages is None else self.num_stages
-    split_merge = self.split_merge
-    if split_merge is None:
-      split_merge = os.environ.get(SPLIT_MERGE_ENV, "").strip() or "tree"
-      if split_merge not in SPLIT_MERGES:
-        raise ValueError(f"${SPLIT_MERGE_ENV} must be one of {SPLIT_MERGES}, got {split_merge!r}")
-    query_pack = self.query_pack
-    if query_pack is None:
-      query_pack = os.environ.get(QUERY_PACK_ENV, "").strip() or "wrapper"
-      if query_pack not in QUERY_PACKS:
-        raise ValueError(f"${QUERY_PACK_ENV} must be one of {QUERY_PACKS}, got {query_pack!r}")
+    split_merge = self.split_merge or validation.env_choice(SPLIT_MERGE_ENV, SPLIT_MERGES,
+                                                             SPLIT_MERGES[0])
+    query_pack = self.query_pack or validation.env_choice(QUERY_PACK_ENV, QUERY_PACKS,
+                                                           QUERY_PACKS[0])
     return BlockSizes(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
                       num_stages=num_stages, block_rows=rows, split_merge=split_merge,
                       query_pack=query_pack)
@@ -169,12 +162,10 @@ class BlockSizes:
       raise ValueError(f"{where}: block_sizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
     if self.num_stages is not None and self.num_stages < 1:
       raise ValueError(f"{where}: block_sizes.num_stages must be >= 1, got {self.num_stages}")
-    if self.split_merge is not None and self.split_merge not in SPLIT_MERGES:
-      raise ValueError(f"{where}: block_sizes.split_merge must be one of {SPLIT_MERGES}, got "
-                       f"{self.split_merge!r}")
-    if self.query_pack is not None and self.query_pack not in QUERY_PACKS:
-      raise ValueError(f"{where}: block_sizes.query_pack must be one of {QUERY_PACKS}, got "
-                       f"{self.query_pack!r}")
+    for name, value, choices in (("split_merge", self.split_merge, SPLIT_MERGES),
+                                 ("query_pack", self.query_pack, QUERY_PACKS)):
+      if value is not None:
+        validation.check_choice(where, f"block_sizes.{name}", value, choices)
     if self.block_rows is not None and (self.block_rows < 16
                                         or self.block_rows & (self.block_rows - 1)):
       raise ValueError(f"{where}: block_sizes.block_rows must be a power of two >= 16 (Triton dot), "
