@@ -3,9 +3,13 @@
 A model of a preset's shape (default ``llama3-8b``) with random weights initialised directly on the
 device (no checkpoint), its KV cache filled **synthetically** to each context length (random K/V
 and positions ``0..S-1`` written straight into the cache objects; nothing is prefilled through
-the model), then ``warmup`` untimed and ``steps`` timed one-token greedy decode steps. Each step
-is timed alone (the next token depends on the logits, so steps are sequential anyway) and the
-figure is ``batch / median step seconds``.
+the model), then ``warmup`` untimed and ``steps`` timed one-token greedy decode steps, the next
+token and position kept on the device. The steps are queued one ahead (step ``i+1`` launched
+before step ``i`` is waited for, what ``rkv.generate.generate`` does without stop tokens, and the
+same for transformers), a step's time is the interval between two tokens' completion, and the
+figure is ``batch / median step seconds``. Then ``steps`` more, each waited for before the next
+is launched (``sync_tokens_per_s``: what a loop that reads every token, e.g. for stop tokens,
+gets).
 
 Configurations (rows):
 
@@ -205,7 +209,9 @@ class BenchConfig:
 
   @property
   def decode_steps(self) -> int:
-    return max(self.warmup + self.steps, self.offload_warmup + self.offload_steps)
+    """Cells the decode steps write: an rkv row's warm-up, its timed pipelined steps and as many
+    timed synchronous ones (see :func:`_decode_rkv`)."""
+    return max(self.warmup + 2 * self.steps, self.offload_warmup + 2 * self.offload_steps)
 
   @property
   def kv_dtype_name(self) -> str:
@@ -679,19 +685,42 @@ def build_caches(cfg: BenchConfig, mc, context: int, key, plan=None, *, log=prin
   return tuple(caches)
 
 
-def _decode_rkv(step, caches, context, warmup, steps, batch):
+def _decode_rkv(step, caches, context, warmup, steps, batch, *, pipelined=True):
+  """``warmup + steps`` greedy decode steps from position ``context``, each through
+  :meth:`rkv.generate.Stepper.decode` (jitted: the forward, the argmax and the next positions in
+  one program), fed the previous step's device tokens. Returns ``(times, dispatch, caches)``:
+  ``dispatch[i]`` the seconds until step ``i``'s call returned (its host side).
+
+  ``pipelined`` (what :func:`rkv.generate.generate` runs without stop tokens): step ``i+1`` is
+  dispatched before step ``i``'s token is waited for, and ``times[i]`` is the interval between the
+  completion of steps ``i-1`` and ``i`` (the first: from the call). Else (what ``generate`` runs
+  with stop tokens: it reads every token before the next step) each step is waited for before the
+  next is dispatched, and ``times[i]`` is that step's dispatch-to-token time."""
   import jax
   import jax.numpy as jnp
+  from rkv.generate import greedy_pick
   tok = jnp.zeros((batch, 1), jnp.int32)
+  pos = jnp.full((batch, 1), context, jnp.int32)  # every row at the same position
   times, dispatch = [], []
-  for i in range(warmup + steps):
-    pos = np.full((batch, 1), context + i, np.int32)  # every row at the same position
+  last = time.perf_counter()
+  queued = None
+  for _ in range(warmup + steps):
     t0 = time.perf_counter()
-    logits, caches = step(tok, pos, caches)
-    dispatch.append(time.perf_counter() - t0)  # the step returned: its host (Python) side
-    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-    jax.block_until_ready(tok)
-    times.append(time.perf_counter() - t0)
+    tok, pos, caches = step.decode(tok, pos, caches, greedy_pick)
+    dispatch.append(time.perf_counter() - t0)
+    if not pipelined:
+      jax.block_until_ready(tok)
+      times.append(time.perf_counter() - t0)
+      continue
+    if queued is not None:
+      jax.block_until_ready(queued)
+      now = time.perf_counter()
+      times.append(now - last)
+      last = now
+    queued = tok
+  if queued is not None:
+    jax.block_until_ready(queued)
+    times.append(time.perf_counter() - last)
   return times, dispatch, caches
 
 
@@ -751,16 +780,24 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   row["jitted"] = step.jitted
   row["schedule"] = None if step.jitted else (cfg.schedule or rolling.DEFAULT_SCHEDULE)
   times, dispatch, caches = _decode_rkv(step, caches, fill, warmup, steps, cfg.batch)
+  # The same steps again, each waited for before the next is dispatched (generate with stop
+  # tokens): what the host costs between steps when nothing is queued behind the device.
+  sync, sync_dispatch, caches = _decode_rkv(step, caches, fill + warmup + steps, 0, steps,
+                                            cfg.batch, pipelined=False)
   del caches
   row.update(_summary(times, warmup, cfg.batch))
+  row["pipelined"] = True
   # Seconds until the step call returned (median of the timed steps): close to step_s means the
   # host side (Python dispatch, or a wait inside the step) bounds the step.
   row["host_s"] = float(np.median(dispatch[warmup:]))
+  row["sync_step_s"] = float(np.median(sync))
+  row["sync_tokens_per_s"] = cfg.batch / row["sync_step_s"]
+  row["sync_host_s"] = float(np.median(sync_dispatch))
   if row.get("bound_s"):
     row["bound_ratio"] = row["step_s"] / row["bound_s"]
   log(f"{what}: {row['tokens_per_s']:.2f} tok/s (median step {1e3 * row['step_s']:.2f} ms, "
       f"bound {1e3 * row['bound_s']:.2f} ms by {row['bound_by']}: x{row['bound_ratio']:.2f}; "
-      f"fill {row['fill_s']:.1f} s)")
+      f"each step waited for: {row['sync_tokens_per_s']:.2f} tok/s; fill {row['fill_s']:.1f} s)")
 
 
 def warm_layered_programs(model, mc, cfg: BenchConfig, log=print) -> None:
@@ -902,21 +939,49 @@ def _hf_fill(cache, hf_cfg, mc, batch, cap, fill, device, dtype, offloaded, gen)
     cache.cumulative_length = fill
 
 
-def _decode_hf(model, cache, context, warmup, steps, batch, device):
+def _decode_hf(model, cache, context, warmup, steps, batch, device, *, pipelined=True):
+  """transformers' greedy steps, timed as :func:`_decode_rkv` times rkv's (the same two modes):
+  the next token and position stay on the device; ``pipelined``, step ``i+1`` is launched before
+  step ``i`` is waited for (a CUDA event per step), and ``times[i]`` is the interval between the
+  completion of steps ``i-1`` and ``i``."""
   import torch
+  cuda = device.type == "cuda"
   tok = torch.zeros((batch, 1), dtype=torch.long, device=device)
-  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-  times = []
+  cp = torch.tensor([context], dtype=torch.long, device=device)
+  if cuda:
+    torch.cuda.synchronize()
+
+  def done():  # a handle to wait for everything launched so far
+    if not cuda:
+      return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+  times, last, queued = [], time.perf_counter(), None
   with torch.inference_mode():
-    for i in range(warmup + steps):
-      cp = torch.tensor([context + i], dtype=torch.long, device=device)
-      sync()
+    for _ in range(warmup + steps):
       t0 = time.perf_counter()
       out = model(input_ids=tok, past_key_values=cache, cache_position=cp,
                   position_ids=cp[None].expand(batch, -1), use_cache=True)
       tok = out.logits[:, -1].argmax(-1, keepdim=True)
-      sync()
-      times.append(time.perf_counter() - t0)
+      cp = cp + 1
+      ev = done()
+      if not pipelined:
+        if ev is not None:
+          ev.synchronize()
+        times.append(time.perf_counter() - t0)
+        continue
+      if queued is not None or not cuda:
+        if queued is not None:
+          queued.synchronize()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+      queued = ev
+  if queued is not None:
+    queued.synchronize()
+    times.append(time.perf_counter() - last)
   return times
 
 
@@ -1013,9 +1078,15 @@ def run_hf(cfg: BenchConfig, log=print,
         _hf_fill(cache, hf_cfg, mc, cfg.batch, cap, fill, device, dtype, offloaded, gen)
         row["fill_s"] = time.perf_counter() - t1
         times = _decode_hf(model, cache, fill, warmup, steps, cfg.batch, device)
+        sync = _decode_hf(model, cache, fill + warmup + steps, 0, steps, cfg.batch, device,
+                          pipelined=False)
         row.update(_summary(times, warmup, cfg.batch))
+        row["pipelined"] = True
+        row["sync_step_s"] = float(np.median(sync))
+        row["sync_tokens_per_s"] = cfg.batch / row["sync_step_s"]
         log(f"hf {name} {ctx}: {row['tokens_per_s']:.2f} tok/s "
-            f"(median step {1e3 * row['step_s']:.2f} ms, {kind})")
+            f"(median step {1e3 * row['step_s']:.2f} ms, {kind}; each step waited for: "
+            f"{row['sync_tokens_per_s']:.2f} tok/s)")
       except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"
         row["traceback"] = traceback.format_exc(limit=6)

@@ -34,6 +34,7 @@ Batches are unpadded: every row has the same prompt length (positions ``0..T-1``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -319,6 +320,19 @@ class Stepper:
   def __call__(self, tokens, positions, caches):
     return self.fn(jnp.asarray(tokens), jnp.asarray(positions), caches)
 
+  def decode(self, tokens, positions, caches, pick, pick_args=()):
+    """One decode step on device values: ``(tokens [B,1], positions [B,1], caches)`` ->
+    ``(next tokens [B,1] int32, positions + 1, caches)``, the next tokens ``pick(logits [B,V],
+    *pick_args)`` (:func:`greedy_pick`, :func:`sample_pick`). Nothing is read back, so a loop can
+    dispatch step ``i+1`` before step ``i`` has run. Jitted: one program (``jit_forward``'s
+    ``decode_step``); layered: the layers' programs, then one program for the pick."""
+    decode_step = getattr(self.fn, "decode_step", None) if self.jitted else None
+    if decode_step is not None:
+      return decode_step(tokens, positions, caches, pick, pick_args)
+    logits, caches = self(tokens, positions, caches)
+    tok, positions = _pick_next(logits, positions, tuple(pick_args), pick=pick)
+    return tok, positions, caches
+
 
 def _positions(b, start, t):
   return np.broadcast_to(np.arange(start, start + t, dtype=np.int32), (b, t))
@@ -377,9 +391,12 @@ def prefill(model, tokens, caches, *, chunk: int = DEFAULT_CHUNK, progress: bool
 # ----------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------
-@jax.jit
-def _greedy(logits):
+def greedy_pick(logits):
+  """``logits [B,V]`` -> the argmax ``[B]`` int32 (a pick for :meth:`Stepper.decode`)."""
   return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+_greedy = jax.jit(greedy_pick)
 
 
 @jax.jit
@@ -398,6 +415,18 @@ def _sample(logits, key, temperature, top_p, top_k):
   xs = jnp.where(before < top_p, xs, -jnp.inf)
   choice = jax.random.categorical(key, xs, axis=-1)
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample_pick(logits, key, i, temperature, top_p, top_k):
+  """:func:`sample` of step ``i`` (the key folded with ``i``): a pick for :meth:`Stepper.decode`
+  with ``pick_args = (key, i, temperature, top_p, top_k)``."""
+  return _sample(logits, jax.random.fold_in(key, i), temperature, top_p, top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("pick",))
+def _pick_next(logits, positions, pick_args, *, pick):
+  """The layered step's pick: ``logits [B,1,V]`` -> (next tokens [B,1], positions + 1)."""
+  return pick(logits[:, -1], *pick_args)[:, None], positions + 1
 
 
 # The samplers, public for the other decode loops (rkv.serving samples per sequence with them).
@@ -421,7 +450,9 @@ class Generation:
   prefill_tokens_per_s: float
   decode_tokens_per_s: float
   jitted: bool
-  # Seconds of each decode step (the first includes its compile when the step is jitted).
+  # Seconds of each decode step (the first includes its compile when the step is jitted): the
+  # interval between successive tokens' completion (without stop tokens or on_token the steps are
+  # queued one ahead, so this is the steady rate, not a step's latency).
   step_s: tuple = ()
   caches: tuple = dataclasses.field(repr=False, default=())
   lengths: np.ndarray | None = None
@@ -474,11 +505,12 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   step = Stepper(model, caches, forward)
   key = jax.random.key(seed)
 
-  def pick(logits, i):
-    if temperature == 0:
-      return _greedy(logits)
-    return _sample(logits, jax.random.fold_in(key, i), jnp.float32(temperature),
-                   jnp.float32(top_p), jnp.int32(top_k))
+  if temperature == 0:
+    pick, pick_args = greedy_pick, lambda i: ()
+  else:
+    pick = sample_pick
+    pick_args = lambda i: (key, jnp.int32(i), jnp.float32(temperature), jnp.float32(top_p),
+                           jnp.int32(top_k))
 
   # Early stopping reads each token back to the host; without stops or a callback nothing does.
   watch = bool(stops.size) or on_token is not None
@@ -499,23 +531,35 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   t0 = time.perf_counter()
   logits, caches = _prefill(step, prompt, caches, fill, chunk=chunk, progress=progress,
                             progress_every=PROGRESS_EVERY)
-  out = []
+  out = []  # [B,1] device tokens, one a step
   if max_new_tokens:
-    out.append(pick(logits[:, -1], 0))
+    out.append(_pick_next(logits, jnp.zeros((b, 1), jnp.int32), pick_args(0), pick=pick)[0])
   jax.block_until_ready(out or logits)
   t1 = time.perf_counter()
-  stopped = should_stop(0, out[0]) if out and watch else None
-  pos = fill + t
-  step_s = []
+  stopped = should_stop(0, out[0][:, 0]) if out and watch else None
+  positions = jnp.asarray(_positions(b, fill + t, 1))
+  # Each step takes the previous one's tokens and positions on the device. Watched (stop tokens,
+  # on_token), every token is read before the next step: a stop leaves the caches holding exactly
+  # the cells before it. Unwatched, step i+1 is queued before step i's token is waited for, so the
+  # device never idles for the host between steps; step_s are then the intervals between
+  # successive tokens' completion.
+  step_s, last, queued = [], t1, None
   for i in range(1, max_new_tokens if stopped is None else 0):
-    ts = time.perf_counter()
-    logits, caches = step(out[-1][:, None], _positions(b, pos, 1), caches)
-    out.append(jax.block_until_ready(pick(logits[:, -1], i)))  # the next step needs it anyway
-    step_s.append(time.perf_counter() - ts)
-    pos += 1
-    if watch and (stopped := should_stop(i, out[-1])) is not None:
+    tok, positions, caches = step.decode(out[-1], positions, caches, pick, pick_args(i))
+    out.append(tok)
+    if watch or queued is not None:
+      jax.block_until_ready(tok if watch else queued)
+      now = time.perf_counter()
+      step_s.append(now - last)
+      last = now
+    queued = None if watch else tok
+    if watch and (stopped := should_stop(i, np.asarray(tok)[:, 0])) is not None:
       break
-  toks = np.stack([np.asarray(x) for x in out], axis=1) if out else np.zeros((b, 0), np.int32)
+  if queued is not None:
+    jax.block_until_ready(queued)
+    step_s.append(time.perf_counter() - last)
+  toks = (np.concatenate([np.asarray(x) for x in out], axis=1) if out
+          else np.zeros((b, 0), np.int32))
   t2 = time.perf_counter()
   n_dec = max(toks.shape[1] - 1, 0)
   return Generation(tokens=toks, prefill_s=t1 - t0, decode_s=t2 - t1,

@@ -28,11 +28,18 @@ def test_rkv_rows_and_outputs(tmp_path):
   # The planner's pick depends on the profile's figures: any tail tactic the fill builds.
   tactics = rows["rkv_offload"]["tactics"]
   assert sum(tactics.get(t, 0) for t in decode_bench.FILLED_TACTICS if t != "resident") >= 1
-  assert rows["rkv_offload"]["capacity"] == 512 and rows["rkv_offload"]["fill"] == 509
+  # The fill stops short of the capacity by the warm-up, the pipelined and the synchronous steps.
+  assert rows["rkv_offload"]["capacity"] == 512 and rows["rkv_offload"]["fill"] == 512 - 1 - 2 * 2
+  for name in ("rkv_resident", "rkv_offload"):
+    r = rows[name]
+    assert r["pipelined"] and r["sync_tokens_per_s"] == pytest.approx(1 / r["sync_step_s"])
+    assert 0 < r["sync_host_s"] <= r["sync_step_s"]
   assert rows["rkv_offload"]["host_kv_gib"] > 0
   assert "rkv_resident" in decode_bench.format_table(result)
   assert rows["rkv_offload"]["schedule"] == "eager" and rows["rkv_resident"]["schedule"] is None
-  assert 0 < rows["rkv_offload"]["host_s"] <= rows["rkv_offload"]["step_max_s"]
+  # Pipelined, a step's host side overlaps the previous step's device work, so only the waited-for
+  # steps bound their host time by their step time.
+  assert rows["rkv_offload"]["host_s"] > 0
   # Every rkv row carries the fields and its bound.
   for name in ("rkv_resident", "rkv_offload"):
     r = rows[name]
@@ -157,9 +164,10 @@ def test_hf_rows_on_cpu():
 
 def test_capacity_is_the_context_and_fill_leaves_room_for_the_steps():
   cfg = decode_bench.BenchConfig(**TINY)
-  assert cfg.decode_steps == 3 and cfg.capacity(512) == 512 and cfg.fill(512) == 509
+  # warm-up 1 + 2 pipelined + 2 waited-for steps
+  assert cfg.decode_steps == 5 and cfg.capacity(512) == 512 and cfg.fill(512) == 507
   with pytest.raises(ValueError, match="decode steps"):
-    decode_bench.BenchConfig(**dict(TINY, contexts=(3,)))
+    decode_bench.BenchConfig(**dict(TINY, contexts=(5,)))
 
 
 # ----------------------------------------------------------------------------------------------

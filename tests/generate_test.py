@@ -59,16 +59,38 @@ def test_sampling_reproducible_and_tiny_top_p_is_greedy(llama):
   assert gates.greedy_match(greedy, greedy)["equal"]
 
 
+@pytest.mark.parametrize("kw", [{}, dict(temperature=1.0, top_p=0.9, seed=3)])
+def test_queued_steps_equal_waited_for_steps(llama, kw):
+  # Unwatched, generate queues step i+1 before step i's token is read; watched (a stop token
+  # that never comes, a callback), it reads each token first. Same tokens, same caches.
+  model, tokens, fwd = llama
+  prompt = tokens[:, :P]
+  queued = _gen(model, prompt, fwd, **kw)
+  seen = []
+  never = int(model.config.vocab_size)  # no token id reaches it
+  watched = _gen(model, prompt, fwd, stop_tokens=(never,),
+                 on_token=lambda i, t: seen.append((i, t.copy())), **kw)
+  np.testing.assert_array_equal(queued.tokens, watched.tokens)
+  assert [i for i, _ in seen] == list(range(N)) and watched.stopped is None
+  np.testing.assert_array_equal(np.stack([t for _, t in seen], axis=1), watched.tokens)
+  assert len(queued.step_s) == len(watched.step_s) == N - 1
+  assert all(x > 0 for x in queued.step_s + watched.step_s)
+  for a, b in zip(queued.caches, watched.caches):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_decode_step_traces_once():
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
   fwd = models.jit_forward(model, last_only=True)
-  # Prefill chunks 5, 5, 3 and the decode step [B,1]: three programs, whatever the token count
-  # (the cache capacity is a shape: same capacity, same programs).
+  # Prefill chunks 5, 5, 3: two forward programs; the decode step [B,1] with its pick: one
+  # decode program; whatever the token count (the cache capacity is a shape: same capacity, same
+  # programs).
   _gen(model, tokens[:, :P], fwd, n=4, capacity=32, chunk=5)
-  assert fwd.jitted._cache_size() == 3
+  assert (fwd.jitted._cache_size(), fwd.decode_program._cache_size()) == (2, 1)
   _gen(model, tokens[:, :P], fwd, n=16, capacity=32, chunk=5)
-  assert fwd.jitted._cache_size() == 3
+  assert (fwd.jitted._cache_size(), fwd.decode_program._cache_size()) == (2, 1)
 
 
 def test_progress_on_long_prefill(llama, capsys, monkeypatch):

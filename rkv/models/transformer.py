@@ -336,6 +336,8 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   passed as an argument, not baked into the program as constants, and the caches are donated so
   the update happens in place (the caches passed in must not be used again). The program is specialized on shapes only:
   a decode loop with fixed ``[B,1]`` tokens traces once (``fn.jitted._cache_size()``).
+  ``fn.decode_step(tokens, positions, caches, pick, pick_args)`` is one decode step with the pick
+  of the next tokens in the same program (what :meth:`rkv.generate.Stepper.decode` runs).
   """
   # The parameters travel as a flat list of arrays (C++ pytree flattening, as layered_forward's
   # programs take them) rather than as the nnx State (Python flatten rules on every call). On the
@@ -351,7 +353,26 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   def fn(tokens, positions=None, caches=None):
     return jitted(leaves, tokens, positions, caches)
 
+  # A decode step as one program: the forward, the pick of the next tokens and the next positions,
+  # so a decode loop feeds each step the previous one's device outputs and reads nothing back.
+  # Why: on the H200 a resident step was waited for, then its token sliced, argmaxed and
+  # converted eagerly and the next positions put up, and the GPU idled through all of it. Queued
+  # one ahead through this program, resident 2K decode went from 171 to 208 tok/s, 512K from 46
+  # to 50 (one run, docs/DESIGN.md §7).
+  @functools.partial(jax.jit, donate_argnames=("caches",), static_argnames=("pick",))
+  def decode(leaves, tokens, positions, caches, pick_args, *, pick):
+    logits, caches = jitted(leaves, tokens, positions, caches)
+    return pick(logits[:, -1], *pick_args)[:, None], positions + 1, caches
+
+  def decode_step(tokens, positions, caches, pick, pick_args=()):
+    """``(tokens [B,1], positions [B,1], caches)`` -> ``(next tokens [B,1] int32, positions + 1,
+    caches)``; ``pick(logits [B,V], *pick_args) -> [B] int32`` is a static argument (a
+    module-level function, so that the program is traced once)."""
+    return decode(leaves, tokens, positions, caches, tuple(pick_args), pick=pick)
+
   fn.jitted = jitted
+  fn.decode_step = decode_step
+  fn.decode_program = decode  # its compile cache, as fn.jitted's
   return fn
 
 
