@@ -14,30 +14,27 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(HERE, "beyond_hbm")
 # (file, settings, rows to take: (config, context, batch, kv_dtype))
 PICK = [
-    ("fused_ab/res_new.json", "shipped defaults (fused q/k/v and gate/up projections)",
-     [("rkv_resident", 2048, 1, "bfloat16"), ("rkv_resident", 131072, 1, "bfloat16")]),
-    ("session7/d/half128.json", "shipped defaults: a rolling layer's merge and post_attention in "
-     "the next layer's pre_attention program (the join), the CPU kernel's 512-bit build; 8.55 tok/s "
-     "on another machine the same session (session7/c/half128_h0.json)",
+    ("session8/a/res.json", "shipped defaults: each step one program with its greedy pick and "
+     "next positions, queued one ahead (step i+1 launched before step i is waited for); each "
+     "step waited for in the same run (sync_tokens_per_s): 171.39 / 145.46 / 98.16 / 45.67",
+     [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072, 524288)]),
+    ("session8/a/half128.json", "shipped defaults (steps queued one ahead, the join, the "
+     "512-bit CPU kernel); each step waited for: 8.48",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("session7/d/1m_base_2.json", "shipped defaults (the join, the 512-bit CPU kernel): the "
-     "session's ten default runs on four machines ran 4.23-8.63 tok/s, median 8.12 "
-     "(session7/a/1m_join_*, b/1m_v3_*, c/1m_h0_*, d/1m_base_*, e/1m_buf1_*; the last two with "
-     "the CPU kernel's cached tile pointers, the same as without in that run); session 6's "
-     "eight, 7.72",
+    ("session8/b/1m_base_2.json", "shipped defaults (steps queued one ahead, the join, the "
+     "512-bit CPU kernel); the same run's first 1M row also 8.54 (session8/a/1m_base_1.json); "
+     "each step waited for: 8.40 / 8.34. Session 7's ten runs on four machines: 4.23-8.63, "
+     "median 8.12",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session7/d/half512.json", "shipped defaults (the join, the 512-bit CPU kernel); 2.42 in "
-     "session 6, 2.66 in session 3",
+    ("session8/b/half512.json", "shipped defaults (steps queued one ahead); each step waited "
+     "for: 3.06; 2.69 in session 7",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session7/d/2m_int8.json", "shipped defaults (the join, the 512-bit CPU kernel), the "
-     "profile's fallback int8 share 0.52 (2 of 6 tiles a layer on the CPU); the bound uses the "
-     "int8 rate. Planned with the v6 probe (int8 share 0.75) on another machine: 4.95 tok/s, "
-     "bound 8.19 (session7/b/2m_int8_v6.json); 5.20 in session 6",
+    ("session8/b/2m_int8.json", "shipped defaults (steps queued one ahead), the profile's "
+     "fallback int8 share 0.52; the bound uses the int8 rate; each step waited for: 4.94 "
+     "(4.75 in session 7)",
      [("rkv_offload", 2097152, 1, "int8")]),
-    ("session3/res_32k_512k.json", "shipped defaults (fused projections)",
-     [("rkv_resident", 32768, 1, "bfloat16"), ("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session7/d/b8_128k.json", "shipped defaults (the cpu tactic in every layer, the join); "
-     "39.50 in session 6, 39.82 in session 3",
+    ("session8/b/b8_128k.json", "shipped defaults (the cpu tactic in every layer, steps queued "
+     "one ahead); each step waited for: 44.20; 38.70 in session 7",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 

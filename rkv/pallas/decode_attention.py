@@ -107,13 +107,15 @@ class BlockSizes:
   # ~5 small kernels of it) or "chain" (an online merge unrolled over N: elementwise, meant to fuse
   # into one or two). None: $RKV_DECODE_SPLIT_MERGE, else "tree". Why "chain" exists: a resident
   # decode step on the H200 is launch-bound (684 kernels, 6.28 ms of host launching against a
-  # 3.33 ms bound, docs/DESIGN.md §7), ~11 of them a layer in this kernel's wrapper. Unmeasured on
-  # the GPU yet, so not the default (benchmarks/decode_wrapper_ab_h200.sh).
+  # 3.33 ms bound, docs/DESIGN.md §7), ~11 of them a layer in this kernel's wrapper. Measured no
+  # faster on the H200 (resident 2K-512K, benchmarks/decode_wrapper_ab_h200.sh a: 32K 135.4 vs
+  # 144.7 tok/s, the rest within 3%), so not the default.
   split_merge: str | None = None
   # Where the G*T query rows of a kv head are packed and padded into the [R, Dp] tile, with their
   # positions: "wrapper" (XLA pad/transpose fusions before the kernel, two launches a call) or
   # "kernel" (each program gathers its rows from q [B,T,H,D] and q_pos [B,T] itself). None:
-  # $RKV_DECODE_QUERY_PACK, else "wrapper". Unmeasured on the GPU yet (as split_merge, why).
+  # $RKV_DECODE_QUERY_PACK, else "wrapper". With "chain", measured no faster on the H200
+  # (32K 140.2 vs 144.7 tok/s, the rest within 1%), so not the default.
   query_pack: str | None = None
 
   def resolve(self, *, batch: int, kv_heads: int, kv_len: int, rows: int, head_dim: int,
