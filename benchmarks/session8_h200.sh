@@ -8,7 +8,8 @@
 #           1M under the default budget; 128K half-offloaded; transformers' static cache at 2K
 #           and 128K (its loop timed the same two ways).
 #   part b: 512K half-offloaded, B=8 x 128K, 2M int8, 1M again.
-# Usage: bash benchmarks/session8_h200.sh a|b
+#   part c: 1M under the default budget, traced (raw trace kept).
+# Usage: bash benchmarks/session8_h200.sh a|b|c
 D=/tmp/s8 NAME=s8 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 m() { local tag=$1; shift; T=${T:-90} run 1m_$tag --configs=rkv_offload --budget=auto \
@@ -26,6 +27,9 @@ case "$PART" in
     T=100 run b8_128k --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
     m base_2
+    ;;
+  c)
+    T=200 trace 1m --configs=beyond:1048576
     ;;
 esac
 echo "== done $(date +%T)"
