@@ -80,6 +80,21 @@ def test_queued_steps_equal_waited_for_steps(llama, kw):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_decode_step_keeps_undonated_caches(llama):
+  # jit_forward(donate_caches=False): its decode program must leave the caches passed in usable,
+  # and its step equals the forward's argmax.
+  model, tokens, _ = llama
+  fwd = models.jit_forward(model, last_only=True, donate_caches=False)
+  caches = models.init_caches(model.config, 2, P + 1)
+  _, caches = fwd(jnp.asarray(tokens[:, :P]), jnp.asarray(gen._positions(2, 0, P)), caches)
+  tok = jnp.asarray(tokens[:, P:P + 1])
+  pos = jnp.full((2, 1), P, jnp.int32)
+  nxt, pos1, _ = fwd.decode_step(tok, pos, caches, gen.greedy_pick)
+  logits, _ = fwd(tok, pos, caches)  # the same caches again: not donated
+  np.testing.assert_array_equal(np.asarray(nxt)[:, 0], np.asarray(logits)[:, -1].argmax(-1))
+  np.testing.assert_array_equal(np.asarray(pos1), P + 1)
+
+
 def test_decode_step_traces_once():
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]

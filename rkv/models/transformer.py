@@ -359,7 +359,8 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   # converted eagerly and the next positions put up, and the GPU idled through all of it. Queued
   # one ahead through this program, resident 2K decode went from 171 to 208 tok/s, 512K from 46
   # to 50 (one run, docs/DESIGN.md §7).
-  @functools.partial(jax.jit, donate_argnames=("caches",), static_argnames=("pick",))
+  @functools.partial(jax.jit, donate_argnames=("caches",) if donate_caches else (),
+                     static_argnames=("pick",))
   def decode(leaves, tokens, positions, caches, pick_args, *, pick):
     logits, caches = jitted(leaves, tokens, positions, caches)
     return pick(logits[:, -1], *pick_args)[:, None], positions + 1, caches
