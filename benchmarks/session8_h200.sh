@@ -9,7 +9,9 @@
 #           and 128K (its loop timed the same two ways).
 #   part b: 512K half-offloaded, B=8 x 128K, 2M int8, 1M again.
 #   part c: 1M under the default budget, traced (raw trace kept).
-# Usage: bash benchmarks/session8_h200.sh a|b|c
+#   part d: 1M with smaller tail tiles (a finer PCIe/CPU split: --tile_cells 16384, 12288)
+#           against the default 32768, alternating.
+# Usage: bash benchmarks/session8_h200.sh a|b|c|d
 D=/tmp/s8 NAME=s8 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 m() { local tag=$1; shift; T=${T:-90} run 1m_$tag --configs=rkv_offload --budget=auto \
@@ -30,6 +32,13 @@ case "$PART" in
     ;;
   c)
     T=200 trace 1m --configs=beyond:1048576
+    ;;
+  d)
+    m t32k_1
+    m t16k_1 --tile_cells=16384
+    m t12k_1 --tile_cells=12288
+    m t32k_2
+    m t16k_2 --tile_cells=16384
     ;;
 esac
 echo "== done $(date +%T)"
