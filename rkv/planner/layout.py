@@ -90,8 +90,8 @@ def floor_align(x: float, q: int = WINDOW_ALIGN) -> int:
   return max(0, int(x) // q * q)
 
 
-def tile_candidates(overflow_cells: int, capacity: int,
-                    cfg: ResidencyConfig) -> tuple[list[int], list[int]]:
+def tile_candidates(overflow_cells: int, capacity: int, cfg: ResidencyConfig,
+                    min_host_tiles: int = 1) -> tuple[list[int], list[int]]:
   """Tail tiles worth trying for a layer that must move ``overflow_cells`` off the device:
   ``(preferred, fallback)``.
 
@@ -101,11 +101,12 @@ def tile_candidates(overflow_cells: int, capacity: int,
   above ``overflow / n`` streams ``n`` tiles, barely more than the overflow: preferred are those
   for the smallest ``n`` with tiles <= ``tile_cells`` and for ``n + 1``, and ``tile_cells``
   itself. The fallback, for budgets too tight for those, halves ``tile_cells`` down to
-  ``min_tile_cells`` (a smaller staging tile frees device cells).
+  ``min_tile_cells`` (a smaller staging tile frees device cells). ``min_host_tiles``: the
+  smallest ``n`` tried (2: a tail the hybrid tactic can split, :func:`best_layout`).
   """
   hi = min(cfg.tile_cells, floor_align(capacity))
   over = max(int(overflow_cells), 1)
-  n0 = max(1, -(-over // cfg.tile_cells))
+  n0 = max(min_host_tiles, -(-over // cfg.tile_cells))
   preferred = {cfg.tile_cells}
   for n in (n0, n0 + 1):
     base = floor_align(over / n)
@@ -145,10 +146,12 @@ def size_window(sz: Sizes, capacity: int, per_layer_bytes: int, cfg: ResidencyCo
 
 
 def best_layout(sz: Sizes, capacity: int, per_layer_bytes: int, cfg: ResidencyConfig,
-                resident_heads: int = 0) -> Layout | None:
+                resident_heads: int = 0, min_host_tiles: int = 1) -> Layout | None:
   """Over the preferred tile candidates (else the fallback ones), the layout fitting
   ``per_layer_bytes`` that streams the fewest bytes (then: the most device cells, the largest
-  tile); None if none fits."""
+  tile); None if none fits. ``min_host_tiles=2`` keeps only layouts whose host tail is at least
+  two whole tiles: the hybrid tactic splits a tail by whole tiles, so a one-tile tail leaves one
+  of its two links idle (the planner models both layouts, :func:`rkv.planner.placement.plan`)."""
   rolled = sz.heads - resident_heads
   if resident_heads:
     # tile_cells bounds a tile's bytes as cells of all K heads: a head split's tiles carry only
@@ -160,10 +163,12 @@ def best_layout(sz: Sizes, capacity: int, per_layer_bytes: int, cfg: ResidencyCo
                               min_tile_cells=grow(cfg.min_tile_cells))
   fixed = sz.batch * resident_heads * capacity * (sz.head_cell + POS_BYTES)
   rolled_cells = (per_layer_bytes - fixed) // max(1, sz.batch * (rolled * sz.head_cell + POS_BYTES))
-  for tiles in tile_candidates(capacity - rolled_cells, capacity, cfg):
+  for tiles in tile_candidates(capacity - rolled_cells, capacity, cfg, min_host_tiles):
     best = None
     for tile in tiles:
       lay = size_window(sz, capacity, per_layer_bytes, cfg, tile, resident_heads)
+      if lay is not None and lay.host_cells < min_host_tiles * lay.tile:
+        continue
       if lay is not None and (best is None or (lay.host_read, -lay.device_read, -lay.tile) <
                               (best.host_read, -best.device_read, -best.tile)):
         best = lay

@@ -16,8 +16,8 @@ from rkv.planner.budget import (Reserve, check_device_fit, format_bytes, format_
 from rkv.planner.config import MODE_TACTIC, ResidencyConfig
 from rkv.planner.cost import (OFFLOAD_TACTICS, TACTICS, ModeledTimes, cpu_share, head_time, modeled_times,
                               partial_copy_time, resident_time, select)
-from rkv.planner.layout import (WINDOW_ALIGN, best_layout, cell_sizes, floor_align, head_layout,
-                                layer_layout)
+from rkv.planner.layout import (WINDOW_ALIGN, Layout, best_layout, cell_sizes, floor_align,
+                                head_layout, layer_layout)
 from rkv.planner.profile import MIB, Profile, is_int
 from rkv.planner.shape import AttentionShape, attention_shape
 
@@ -209,6 +209,34 @@ class Plan:
     return self.table()
 
 
+def split_layout(one: Layout, two: Layout | None, profile, *, batch: int, cell_bytes: int,
+                 copy_s: float, tactics) -> Layout:
+  """``two`` (a host tail of at least two tiles) where its fastest modeled tactic among
+  ``tactics`` beats ``one``'s (a one-tile tail), else ``one``.
+
+  Why: the layout streaming the fewest bytes may hold a single host tile a layer, and the hybrid
+  tactic splits a tail by whole tiles, so the selector can then only pick one link, PCIe or the
+  CPU, and the other idles. Measured on the H200 (B=8 x 128K, default budget, alternating in one
+  run, benchmarks/results/beyond_hbm/session9/a/): one 8960-cell tile a layer on the cpu tactic
+  ran 35.07 / 48.36 tok/s, two 4992-cell tiles split by the hybrid 57.25 / 58.63 (modeled 182 vs
+  144 ms a step). Where the fewest-bytes layout already holds several tiles, finer tiles were
+  slower than this model says (1M: 16K-cell tiles 5.05 / 6.55 tok/s against 7.68 / 7.83 with 22K,
+  beyond_hbm/session8/d/), so only the one-tile case is reconsidered."""
+  if two is None:
+    return one
+
+  def fastest(lay: Layout) -> float:
+    mt = modeled_times(lay.device_read, lay.host_read, profile, partial_copy_s=copy_s,
+                       tile_bytes=batch * lay.tile * cell_bytes)
+    times = [t for t in (getattr(mt, name) for name in tactics) if t is not None]
+    return min(times) if times else math.inf
+
+  t_one, t_two = fastest(one), fastest(two)
+  log.debug("plan: one host tile a layer (tile=%d, W=%d) modeled %.1f us; two (tile=%d, W=%d) "
+            "%.1f us", one.tile, one.window, t_one * 1e6, two.tile, two.window, t_two * 1e6)
+  return two if t_two < t_one else one
+
+
 def check_profile_device(profile, device_kind: str | None = None) -> bool:
   """Logs which profile plans, and warns when it was measured on another kind of device than
   the one planned for (``device_kind``, default device 0's): its rates and fixed costs are then
@@ -360,6 +388,11 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     stream_profile = (kv_profile.replace(transfer_overhead_us=0.0) if cfg.prefetch_tiles
                       else kv_profile)
     candidates = available_tactics(forced) if cfg.check_free else OFFLOAD_TACTICS
+    if (win is not None and win.host_cells == win.tile and forced in (None, "hybrid")
+        and "hybrid" in candidates):
+      win = split_layout(win, best_layout(sz, context_len, per_layer, cfg, min_host_tiles=2),
+                         stream_profile, batch=batch, cell_bytes=sz.cell, copy_s=copy_s,
+                         tactics=[t for t in candidates if t != "head"])
     layers = []
     for i in range(shape.num_layers):
       if i in ring:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 10, ninth session, on one H200. Every file goes to /tmp/s9 and is packed into
+# $OUT/s9_<part>.tgz after each step.
+#   part a: does a small host->device move (a hybrid layer's CPU partial) wait behind tile puts
+#           already queued (experiments.copy_queue_probe: numpy into a jitted program as rkv's
+#           merge takes it, and a pinned_host array moved inside the program); B=8 x 128K under
+#           the default budget with the default tiles (one 8960-cell tile a layer: the cpu
+#           tactic) against --tile_cells=8192 (two 4992-cell tiles: hybrid, one streamed, one on
+#           the CPU), alternating.
+# Usage: bash benchmarks/session9_h200.sh a
+D=/tmp/s9 NAME=s9 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+b8() { local tag=$1; shift; T=${T:-110} run b8_$tag --configs=rkv_offload --budget=auto \
+         --contexts=131072 --batch=8 "$@"; }
+case "$PART" in
+  a)
+    echo "== copy_queue $(date +%T)"
+    PYTHONPATH=$PWD timeout 120 python3 -m experiments.copy_queue_probe --tiles=4 --tile_mib=64 \
+      --out=$D/copy_queue.json 2>&1 | q | tail -8
+    pack
+    b8 base_1
+    b8 t8k_1 --tile_cells=8192
+    b8 base_2
+    b8 t8k_2 --tile_cells=8192
+    ;;
+esac
+echo "== done $(date +%T)"
