@@ -7,7 +7,11 @@
 #           the default budget with the default tiles (one 8960-cell tile a layer: the cpu
 #           tactic) against --tile_cells=8192 (two 4992-cell tiles: hybrid, one streamed, one on
 #           the CPU), alternating.
-# Usage: bash benchmarks/session9_h200.sh a
+#   part b: B=8 x 128K with the shipped planner (a one-tile tail laid out as two tiles where the
+#           hybrid then models faster: the plan part a ran with --tile_cells=8192), twice; one
+#           traced step of it (experiments.decode_trace --batch=8, raw trace kept); the GPU-only
+#           tests (pytest -m gpu).
+# Usage: bash benchmarks/session9_h200.sh a|b
 D=/tmp/s9 NAME=s9 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 b8() { local tag=$1; shift; T=${T:-110} run b8_$tag --configs=rkv_offload --budget=auto \
@@ -22,6 +26,15 @@ case "$PART" in
     b8 t8k_1 --tile_cells=8192
     b8 base_2
     b8 t8k_2 --tile_cells=8192
+    ;;
+  b)
+    b8 plan_1
+    b8 plan_2
+    T=150 trace b8 --configs=beyond:131072 --batch=8
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 240 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt
+    pack
     ;;
 esac
 echo "== done $(date +%T)"

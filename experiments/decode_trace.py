@@ -39,6 +39,7 @@ _STEPS = flags.DEFINE_integer("steps", 8, "Timed, untraced steps.", lower_bound=
 _TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Traced steps.", lower_bound=1)
 _PROFILE = flags.DEFINE_string("profile", None, "rkv.Profile JSON for the planner.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per stream.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch rows of every configuration.", lower_bound=1)
 _KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, ["int8"], "The caches' dtype (default: the model's).")
 _OUT = flags.DEFINE_string("out", "/tmp/decode_trace.json", "JSON output.")
 _XPLANE_DIR = flags.DEFINE_string("xplane_dir", None, "Also keep each row's raw trace here, "
@@ -66,7 +67,8 @@ def parse_spec(spec: str) -> tuple[str, int, float | None]:
 
 def _caches(kind, mc, ctx, share, key, profile):
   from lab import decode_bench as db
-  cfg = db.BenchConfig(contexts=(ctx,), offload_fraction=share if share else 0.5,
+  cfg = db.BenchConfig(contexts=(ctx,), batch=_BATCH.value,
+                       offload_fraction=share if share else 0.5,
                        budget="auto" if kind == "beyond" else "fraction", profile_path=profile,
                        warmup=_WARMUP.value, steps=_STEPS.value + _TRACE_STEPS.value + 1,
                        offload_warmup=_WARMUP.value, kv_dtype=_KV_DTYPE.value,
@@ -109,10 +111,11 @@ def main(argv):
   if any(kind != "resident" for kind, _, _ in specs):
     # Before any large fill (rkv.generate.warm_up): the 1M and 2M rows ran out of memory here
     # compiling the logits GEMM after the fill (benchmarks/results/beyond_hbm/session3/).
-    db.warm_layered_programs(model, mc, db.BenchConfig(preset=_PRESET.value,
+    db.warm_layered_programs(model, mc, db.BenchConfig(preset=_PRESET.value, batch=_BATCH.value,
                                                        kv_dtype=_KV_DTYPE.value))
   for spec, (kind, ctx, share) in zip(_CONFIGS.value, specs):
-    row = dict(config=spec, kind=kind, context=ctx, share=share, kv_dtype=_KV_DTYPE.value)
+    row = dict(config=spec, kind=kind, context=ctx, batch=_BATCH.value, share=share,
+               kv_dtype=_KV_DTYPE.value)
     result["rows"].append(row)
     caches = None
     try:
@@ -121,7 +124,8 @@ def main(argv):
       jax.block_until_ready(caches)
       step = Stepper(model, caches, forward)
       n = _WARMUP.value + _STEPS.value
-      times, dispatch, caches = db._decode_rkv(step, caches, fill, _WARMUP.value, _STEPS.value, 1)
+      times, dispatch, caches = db._decode_rkv(step, caches, fill, _WARMUP.value, _STEPS.value,
+                                                 _BATCH.value)
       row["step_ms"] = 1e3 * statistics.median(times[_WARMUP.value:])
       row["host_ms"] = 1e3 * statistics.median(dispatch[_WARMUP.value:])
       opts = jax.profiler.ProfileOptions()
@@ -130,12 +134,13 @@ def main(argv):
         # The first traced step pays the profiler's start (1 s on the H200): trace one step and
         # throw it away first.
         with jax.profiler.trace(d, profiler_options=opts):
-          _, _, caches = db._decode_rkv(step, caches, fill + n, 0, 1, 1)
+          _, _, caches = db._decode_rkv(step, caches, fill + n, 0, 1, _BATCH.value)
         n += 1
       with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, profiler_options=opts):
           t0 = time.perf_counter()
-          t_tr, _, caches = db._decode_rkv(step, caches, fill + n, 0, _TRACE_STEPS.value, 1)
+          t_tr, _, caches = db._decode_rkv(step, caches, fill + n, 0, _TRACE_STEPS.value,
+                                              _BATCH.value)
           row["traced_wall_ms"] = 1e3 * (time.perf_counter() - t0)
         row["traced_step_ms"] = [1e3 * t for t in t_tr]
         pb = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
