@@ -33,13 +33,45 @@ PICK = [
      "fallback int8 share 0.52; the bound uses the int8 rate; each step waited for: 4.94 "
      "(4.75 in session 7)",
      [("rkv_offload", 2097152, 1, "int8")]),
-    ("session8/b/b8_128k.json", "shipped defaults (the cpu tactic in every layer, steps queued "
-     "one ahead); each step waited for: 44.20; 38.70 in session 7",
+    ("session9/b/b8_plan_1.json", "shipped defaults, the ninth session's planner (the one-tile "
+     "tail laid out as two 4992-cell tiles, hybrid, one streamed and one on the CPU); the same "
+     "run's second row 55.72 (session9/b/b8_plan_2.json); each step waited for: 62.13 / 53.08. "
+     "The eighth session's plan (one 8960-cell tile, cpu) 44.57; in session 9 alternating with "
+     "the two-tile plan: 35.07 / 48.36 against 57.25 / 58.63 (session9/a/)",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
+# The rows' bounds use the profile their plan was made with (profile_h200_v3.json, probed with the
+# CPU kernel's 256-bit build; without an int8 share, so the int8 row's CPU rate is the fallback
+# 0.52 of bf16's). The kernel that ran is the 512-bit build, probed in profile_h200_v6.json: each
+# offloaded row also carries its bound at those rates (faster links: a higher bound, a larger
+# measured / bound ratio), so no row is flattered by a stale rate.
+KERNEL_PROFILE = "profile_h200_v6.json"
+
+
+def tail_rate_gbps(profile: dict, tactic: str, kv_dtype: str) -> float:
+  """GB/s of a tail under ``tactic`` at ``profile``'s rates (docs/DESIGN.md §6)."""
+  share = profile["cpu_int8_share"] if kv_dtype == "int8" else 1.0
+  if tactic == "stream":
+    return profile["pcie_gbps"]
+  if tactic == "cpu":
+    return profile["cpu_attn_gbps"] * share
+  return profile["hybrid_pcie_gbps"] + profile["hybrid_cpu_gbps"] * share
+
+
+def with_kernel_bound(row: dict, profile: dict) -> dict:
+  if not row.get("tail_bytes"):
+    return row
+  (tactic,) = row["tactics"]
+  rate = tail_rate_gbps(profile, tactic, row["kv_dtype"])
+  bound_s = max(row["device_s"], row["tail_bytes"] / (rate * 1e9))
+  return dict(row, kernel_profile=KERNEL_PROFILE, kernel_tail_gbps=rate,
+              kernel_bound_tokens_per_s=row["batch"] / bound_s,
+              kernel_bound_ratio=row["step_s"] / bound_s)
 
 
 def main():
+  with open(os.path.join(HERE, KERNEL_PROFILE)) as f:
+    kernel_profile = json.load(f)
   rows, env = [], None
   for name, settings, keys in PICK:
     with open(os.path.join(RUNS, name)) as f:
@@ -47,7 +79,8 @@ def main():
     env = env or {k: run.get(k) for k in ("device", "jax", "jaxlib", "platform")}
     for r in run["rows"]:
       if (r["config"], r["context"], r["batch"], r["kv_dtype"]) in keys:
-        rows.append(dict(r, source=f"beyond_hbm/{name}", settings=settings))
+        rows.append(with_kernel_bound(dict(r, source=f"beyond_hbm/{name}", settings=settings),
+                                      kernel_profile))
   rows.sort(key=lambda r: (r["config"], r["batch"], r["context"]))
   out = dict(env, rows=rows, doc=__doc__.strip().splitlines()[0])
   with open(os.path.join(HERE, "decode_beyond_hbm_h200.json"), "w") as f:
@@ -55,7 +88,10 @@ def main():
   for r in rows:
     print(f"{r['config']:13s} {r['context']:>8d} B={r['batch']} {r['kv_dtype']:9s} "
           f"{r['tokens_per_s']:7.2f} tok/s  bound {r['bound_tokens_per_s']:7.2f}  "
-          f"x{r['bound_ratio']:.2f}  tail {r.get('host_kv_gib') or 0:.2f} GiB  {r['source']}")
+          f"x{r['bound_ratio']:.2f}  at the kernel's rates "
+          f"{r.get('kernel_bound_tokens_per_s', r['bound_tokens_per_s']):7.2f} "
+          f"x{r.get('kernel_bound_ratio', r['bound_ratio']):.2f}  "
+          f"tail {r.get('host_kv_gib') or 0:.2f} GiB  {r['source']}")
 
 
 if __name__ == "__main__":
