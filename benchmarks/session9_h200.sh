@@ -11,7 +11,10 @@
 #           hybrid then models faster: the plan part a ran with --tile_cells=8192), twice; one
 #           traced step of it (experiments.decode_trace --batch=8, raw trace kept); the GPU-only
 #           tests (pytest -m gpu).
-# Usage: bash benchmarks/session9_h200.sh a|b
+#   part c: B=8 x 128K (the shipped two-tile hybrid plan, whose link idles ~1.3 ms a layer) with
+#           layered_forward's cross-layer Prefetcher ($RKV_PREFETCH_TILES=1, 2) against it off,
+#           alternating.
+# Usage: bash benchmarks/session9_h200.sh a|b|c
 D=/tmp/s9 NAME=s9 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 b8() { local tag=$1; shift; T=${T:-110} run b8_$tag --configs=rkv_offload --budget=auto \
@@ -35,6 +38,13 @@ case "$PART" in
     timeout 240 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
     tail -3 $D/pytest_gpu.txt
     pack
+    ;;
+  c)
+    b8 pf0_1
+    RKV_PREFETCH_TILES=1 b8 pf1_1
+    RKV_PREFETCH_TILES=2 b8 pf2_1
+    b8 pf0_2
+    RKV_PREFETCH_TILES=1 b8 pf1_2
     ;;
 esac
 echo "== done $(date +%T)"
