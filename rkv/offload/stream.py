@@ -201,6 +201,8 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # (beyond_hbm/session5/xplane/half128_pf{0,4}): with the Prefetcher the layer's CPU share ran on
 # the dispatching thread and took 2.7 ms (median) against 1.55, the link idling meanwhile; on the
 # worker thread (rolling._with_cpu_tail, now) it is 6.44 vs 6.89 tok/s off (session5/b/).
+# At B=8 x 128K (two tiles a layer, hybrid; the link idles ~1.3 ms a layer) it was no faster
+# either: 1 / 2 tiles 48.84, 56.60 / 55.77 tok/s against 51.73 / 57.18 off (session9/c/).
 PREFETCH_TILES_ENV = "RKV_PREFETCH_TILES"
 
 

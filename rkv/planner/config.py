@@ -42,8 +42,10 @@ class ResidencyConfig:
   or a host tail above the host's available RAM, and leave out the cpu / hybrid tactics where the
   CPU-tail kernel cannot run here (False: plan for another machine).
   ``tile_cells``: the largest host-tail tile; each layer's tile is picked so its whole tiles
-  barely exceed the cells that must leave the device (:func:`tile_candidates`); a tight budget
-  may shrink it to ``min_tile_cells``. Both multiples of WINDOW_ALIGN.
+  barely exceed the cells that must leave the device (:func:`tile_candidates`), and where that is
+  a single tile a layer, two, when the hybrid tactic then models faster
+  (:func:`rkv.planner.placement.split_layout`); a tight budget may shrink it to
+  ``min_tile_cells``. Both multiples of WINDOW_ALIGN.
   ``min_window_cells``: smallest W of an overflowing layer (0 = everything may stream).
   ``kv_dtype``: overrides the config's. ``profile`` / ``profile_path``: the figures (default: the
   profile at ``~/.cache/rkv/profile.json`` if present, else H200_DEFAULT); every figure can be
