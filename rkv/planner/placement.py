@@ -209,8 +209,8 @@ class Plan:
     return self.table()
 
 
-def split_layout(one: Layout, two: Layout | None, profile, *, batch: int, cell_bytes: int,
-                 copy_s: float, tactics) -> Layout:
+def split_layout(one: Layout, two: Layout | None, profile: Profile, *, batch: int,
+                 cell_bytes: int, copy_s: float, tactics) -> Layout:
   """``two`` (a host tail of at least two tiles) where its fastest modeled tactic among
   ``tactics`` beats ``one``'s (a one-tile tail), else ``one``.
 
