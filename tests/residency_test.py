@@ -248,6 +248,10 @@ def test_a_one_tile_tail_is_split_in_two_where_the_hybrid_then_models_faster():
                 residency=ResidencyConfig(mode="cpu", **h200))
   assert cpu.layers[0].host_cells == cpu.layers[0].tile_cells  # a forced cpu keeps one tile
   assert b8.step_time_s < cpu.step_time_s
+  hyb = rz.plan(mc, 1 << 17, 8, memory_stats=stats,
+                residency=ResidencyConfig(mode="hybrid", **h200))
+  assert [(lp.tile_cells, lp.host_cells) for lp in hyb.layers] == \
+      [(lp.tile_cells, lp.host_cells) for lp in b8.layers]  # a forced hybrid splits it too
   # A tail of several tiles keeps its fewest-bytes layout (1M: three 22144-cell tiles).
   m1 = rz.plan(mc, 1 << 20, 1, memory_stats=stats, residency=ResidencyConfig(**h200))
   assert {(lp.tile_cells, lp.host_cells) for lp in m1.layers} == {(22144, 3 * 22144)}

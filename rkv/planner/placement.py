@@ -392,7 +392,7 @@ def plan(model_config, context_len: int, batch: int = 1, *,
         and "hybrid" in candidates):
       win = split_layout(win, best_layout(sz, context_len, per_layer, cfg, min_host_tiles=2),
                          stream_profile, batch=batch, cell_bytes=sz.cell, copy_s=copy_s,
-                         tactics=[t for t in candidates if t != "head"])
+                         tactics=[forced] if forced else [t for t in candidates if t != "head"])
     layers = []
     for i in range(shape.num_layers):
       if i in ring:
