@@ -6,6 +6,8 @@ On a CPU (the self-check the README's demo runs; kernels in interpret mode, smal
   python -m experiments.kernel_bench --quick
 Sweep block sizes (JSON lists of BlockSizes overrides):
   python -m experiments.kernel_bench --sweep_decode='[{"block_k": 256, "num_warps": 4}]'
+Decode attention as a model step runs it (32 calls in one program, each over its own K/V):
+  python -m experiments.kernel_bench --layers=32 --contexts=2048,32768 --sweep_decode='[...]'
 """
 
 from absl import app
@@ -19,6 +21,11 @@ _OUT = flags.DEFINE_string("out", None, "Where to write the JSON result (none: p
 _TOKAMAX = flags.DEFINE_bool("tokamax", False, "Add tokamax's Mosaic attention as a prefill peer.")
 _SWEEP_DECODE = flags.DEFINE_string("sweep_decode", "", "JSON list of decode BlockSizes overrides.")
 _SWEEP_PREFILL = flags.DEFINE_string("sweep_prefill", "", "JSON list of flash BlockSizes overrides.")
+_LAYERS = flags.DEFINE_integer("layers", 0, "Decode attention only, this many calls over distinct "
+                                "K/V in one program per context (0: the per-call rows).",
+                                lower_bound=0)
+_CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768", "131072"],
+                              "Contexts of the --layers rows (B=1, H=32, K=8, D=128).")
 _N_OUTER = flags.DEFINE_integer("n_outer", 7, "Timed batches per contender (the median is reported).",
                                 lower_bound=1)
 
@@ -27,6 +34,18 @@ def main(argv):
   del argv
   # Output paths first: an unwritable one used to fail only after the whole run.
   benchmarking.check_output_path(_OUT.value)
+  if _LAYERS.value:
+    contexts = [int(c) for c in _CONTEXTS.value]
+    if not contexts or min(contexts) < 1:
+      raise SystemExit(f"--contexts must be positive integers, got {_CONTEXTS.value}")
+    result = kernel_bench.run_layers(contexts=contexts, layers=_LAYERS.value,
+                                     n_outer=_N_OUTER.value,
+                                     sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value))
+    print(benchmarking.format_table(result["rows"], kernel_bench.LAYER_COLUMNS))
+    if _OUT.value:
+      benchmarking.write_json(_OUT.value, result)
+      print(f"wrote {_OUT.value}")
+    return
   result = kernel_bench.run(quick=_QUICK.value, use_tokamax=_TOKAMAX.value, n_outer=_N_OUTER.value,
                             sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value),
                             sweep_prefill=kernel_bench.parse_sweep(_SWEEP_PREFILL.value))

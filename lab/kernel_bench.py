@@ -151,6 +151,79 @@ def run(*, quick: bool, sweep_decode: list[dict[str, Any]] | None = None,
               rows=rows)
 
 
+def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str, Any]] | None = None,
+               n_outer: int = 7, log=print) -> dict[str, Any]:
+  """Decode attention as a model step issues it: ``layers`` calls in one program, each over its
+  own K/V (B=1, H=32, K=8, D=128, one query), for every context in ``contexts``.
+
+  Why a stack and not one call: a lone call's time holds a launch and the host's dispatch, and
+  back-to-back calls of one program re-read a K/V that may sit in the 60 MB L2 at short contexts;
+  in a decode step the calls follow each other inside one program and each reads another
+  layer's cache. Rows give microseconds a layer, the K+V bytes a layer over that time, and the
+  ratio of that time to the bytes at ``HBM_TBPS`` (the copy rate of the H200 profile)."""
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  rows = []
+  for s in contexts:
+    shape = Shape("decode", 1, 1, s)
+    qs, ks, vs = zip(*(_inputs(shape, dtype, seed=layer) for layer in range(layers)))
+    fns = {"rkv_pallas": None}
+    fns.update({f"rkv_pallas[{i}]": cfg for i, cfg in enumerate(sweep_decode or [])})
+
+    def stack(call):
+      return jax.jit(lambda qs, ks, vs: [call(q, k, v) for q, k, v in zip(qs, ks, vs)])
+
+    contenders = {}
+    for name, cfg in fns.items():
+      bs = None if cfg is None else dataclasses.replace(decode_kernel.BlockSizes(), **cfg)
+      contenders[name] = stack(lambda q, k, v, bs=bs: (
+          rkv.attention(q, k, v, impl="pallas")[0] if bs is None
+          else decode_kernel.decode_attention(q, k, v, block_sizes=bs)[0]))
+    if on_gpu:
+      contenders["cudnn"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn"))
+    contenders["jax_xla"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation="xla"))
+    ref = None
+    layer_bytes = shape.kv_bytes(jnp.dtype(dtype).itemsize)
+    for name, fn in contenders.items():
+      try:
+        timing = benchmarking.time_fn(fn, qs, ks, vs, n_outer=n_outer, n_inner=3)
+        out = fn(qs, ks, vs)
+      except Exception as e:  # a config a shape rejects is reported, not fatal
+        log(f"  S={s}: {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
+      if ref is None:
+        ref = out
+      diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                 for a, b in zip(out, ref))
+      per_layer = timing.median_s / layers
+      row = dict(shape=f"{layers} layers x {shape.name}", kind="decode_layers", s=s,
+                 layers=layers, impl=name, dtype=jnp.dtype(dtype).name,
+                 us_per_layer=per_layer * 1e6, kv_read_tbps=layer_bytes / per_layer / 1e12,
+                 hbm_bound_ratio=per_layer / (layer_bytes / (HBM_TBPS * 1e12)),
+                 max_abs_diff_vs_rkv_pallas=diff, n_inner=timing.n_inner,
+                 n_outer=timing.n_outer)
+      if name.startswith("rkv_pallas["):
+        row["block_sizes"] = sweep_decode[int(name[len("rkv_pallas["):-1])]
+      rows.append(row)
+      log(f"  S={s} {name}: {row['us_per_layer']:.2f} us a layer, "
+          f"{row['kv_read_tbps']:.2f} TB/s, {row['hbm_bound_ratio']:.2f}x the byte time")
+    del qs, ks, vs
+  return dict(benchmark="kernel_bench_layers", environment=benchmarking.environment(),
+              method=f"median of n_outer batches of n_inner calls of one program of {layers} "
+                     "decode attentions over distinct K/V, after 2 warm-ups",
+              rows=rows)
+
+
+# The H200 profile's measured HBM copy rate (benchmarks/results/profile_h200_v3.json), for the
+# stacked rows' ratio.
+HBM_TBPS = 4.591
+
+LAYER_COLUMNS = ["shape", "impl", "us_per_layer", "kv_read_tbps", "hbm_bound_ratio",
+                 "max_abs_diff_vs_rkv_pallas"]
+
+
 COLUMNS = ["shape", "impl", "time_us", "kv_read_tbps", "tflops", "speedup_vs_cudnn",
            "speedup_vs_rkv_reference", "max_abs_diff_vs_cudnn", "max_abs_diff_vs_rkv_reference"]
 

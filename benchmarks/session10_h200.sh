@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 10, tenth session, on one H200: the resident rows' GPU time. Every file goes to /tmp/s10
+# and is packed into $OUT/s10_<part>.tgz after each step.
+#   part a: decode attention as a step runs it (32 calls over distinct K/V in one program,
+#           experiments.kernel_bench --layers) at 2K / 8K / 32K / 128K: the default BlockSizes,
+#           a sweep of splits, block_k, stages, the chain merge with the in-kernel query pack,
+#           against cuDNN and XLA; a trace of a resident 32K step; resident 2K / 32K with XLA's
+#           Triton GEMMs off (cuBLAS) against the default, alternating.
+# Usage: bash benchmarks/session10_h200.sh a
+D=/tmp/s10 NAME=s10 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+SWEEP='[{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66},
+        {"num_splits": 132}, {"block_k": 128}, {"num_stages": 4},
+        {"split_merge": "chain", "query_pack": "kernel"}]'
+res() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+          --contexts=2048,32768 "$@"; }
+case "$PART" in
+  a)
+    echo "== kernel layers $(date +%T)"
+    PYTHONPATH=$PWD timeout 300 python3 -m experiments.kernel_bench --layers=32 \
+      --contexts=2048,8192,32768,131072 --sweep_decode="$SWEEP" --out=$D/kernel_layers.json \
+      2>&1 | q | grep -E "S=|rror" | tail -60
+    pack
+    T=120 trace res32k --configs=resident:32768
+    res base_1
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false res cublas_1
+    res base_2
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false res cublas_2
+    ;;
+esac
+echo "== done $(date +%T)"
