@@ -6,7 +6,10 @@
 #           a sweep of splits, block_k, stages, the chain merge with the in-kernel query pack,
 #           against cuDNN and XLA; a trace of a resident 32K step; resident 2K / 32K with XLA's
 #           Triton GEMMs off (cuBLAS) against the default, alternating.
-# Usage: bash benchmarks/session10_h200.sh a
+#   part b: XLA's command buffers (CUDA graphs) with custom calls (the Pallas kernels) captured
+#           too, against rkv's default (off): resident 2K / 32K / 128K, alternating; one traced
+#           resident 2K step with them (the host's launch time).
+# Usage: bash benchmarks/session10_h200.sh a|b
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 SWEEP='[{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66},
@@ -26,6 +29,16 @@ case "$PART" in
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false res cublas_1
     res base_2
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false res cublas_2
+    ;;
+  b)
+    CB=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+    res3() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+               --contexts=2048,32768,131072 "$@"; }
+    res3 off_1
+    XLA_FLAGS=$CB res3 cb_1
+    res3 off_2
+    XLA_FLAGS=$CB res3 cb_2
+    XLA_FLAGS=$CB T=120 trace res2k_cb --configs=resident:2048
     ;;
 esac
 echo "== done $(date +%T)"
