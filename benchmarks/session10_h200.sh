@@ -9,7 +9,10 @@
 #   part b: XLA's command buffers (CUDA graphs) with custom calls (the Pallas kernels) captured
 #           too, against rkv's default (off): resident 2K / 32K / 128K, alternating; one traced
 #           resident 2K step with them (the host's launch time).
-# Usage: bash benchmarks/session10_h200.sh a|b
+#   part c: B=8 x 128K under the default budget as one batch against the same rows as two
+#           caches of 4, decoded one after the other and at once in two threads (the second
+#           with 7 CPU-kernel threads each), two rounds (experiments.microbatch_probe).
+# Usage: bash benchmarks/session10_h200.sh a|b|c
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 SWEEP='[{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66},
@@ -39,6 +42,13 @@ case "$PART" in
     res3 off_2
     XLA_FLAGS=$CB res3 cb_2
     XLA_FLAGS=$CB T=120 trace res2k_cb --configs=resident:2048
+    ;;
+  c)
+    echo "== microbatch $(date +%T)"
+    PYTHONPATH=$PWD timeout 480 python3 -m experiments.microbatch_probe --batch=8 \
+      --microbatches=2 --context=131072 --profile=$P --cpu_threads=7 --repeats=2 \
+      --out=$D/microbatch.json 2>&1 | q | grep -E "tok/s|rror|Trace" | tail -30
+    pack
     ;;
 esac
 echo "== done $(date +%T)"
