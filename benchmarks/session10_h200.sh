@@ -12,7 +12,11 @@
 #   part c: B=8 x 128K under the default budget as one batch against the same rows as two
 #           caches of 4, decoded one after the other and at once in two threads (the second
 #           with 7 CPU-kernel threads each), two rounds (experiments.microbatch_probe).
-# Usage: bash benchmarks/session10_h200.sh a|b|c
+#   part d: resident 2K / 32K / 128K: command buffers (as part b) with the decode step donating
+#           its tokens and positions too ($RKV_DONATE_STEP_IO=1: every buffer the step writes is
+#           one it was given, so a captured graph need not be updated between steps), against
+#           command buffers alone, donation alone and neither.
+# Usage: bash benchmarks/session10_h200.sh a|b|c|d
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 SWEEP='[{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66},
@@ -42,6 +46,17 @@ case "$PART" in
     res3 off_2
     XLA_FLAGS=$CB res3 cb_2
     XLA_FLAGS=$CB T=120 trace res2k_cb --configs=resident:2048
+    ;;
+  d)
+    CB=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+    res3() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+               --contexts=2048,32768,131072 "$@"; }
+    XLA_FLAGS=$CB RKV_DONATE_STEP_IO=1 res3 cbdon_1
+    XLA_FLAGS=$CB res3 cb_1
+    RKV_DONATE_STEP_IO=1 res3 don_1
+    res3 off_1
+    XLA_FLAGS=$CB RKV_DONATE_STEP_IO=1 res3 cbdon_2
+    res3 off_2
     ;;
   c)
     echo "== microbatch $(date +%T)"

@@ -328,6 +328,11 @@ class Transformer(nnx.Module):
     return logits, tuple(new_caches)
 
 
+# $RKV_DONATE_STEP_IO=1: the decode step also donates its tokens and positions (an A/B switch,
+# read when jit_forward builds the step; the caller must not reuse the arrays it passed).
+DONATE_STEP_IO_ENV = "RKV_DONATE_STEP_IO"
+
+
 def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
                 donate_caches: bool = True):
   """A jitted pure form of ``model``: ``fn(tokens, positions=None, caches=None)``.
@@ -359,8 +364,10 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   # converted eagerly and the next positions put up, and the GPU idled through all of it. Queued
   # one ahead through this program, resident 2K decode went from 171 to 208 tok/s, 512K from 46
   # to 50 (one run, docs/DESIGN.md §7).
-  @functools.partial(jax.jit, donate_argnames=("caches",) if donate_caches else (),
-                     static_argnames=("pick",))
+  step_donated = (("caches",) if donate_caches else ()) + (
+      ("tokens", "positions") if validation.env_switch(DONATE_STEP_IO_ENV, False) else ())
+
+  @functools.partial(jax.jit, donate_argnames=step_donated, static_argnames=("pick",))
   def decode(leaves, tokens, positions, caches, pick_args, *, pick):
     logits, caches = jitted(leaves, tokens, positions, caches)
     return pick(logits[:, -1], *pick_args)[:, None], positions + 1, caches
