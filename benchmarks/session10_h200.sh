@@ -16,7 +16,11 @@
 #           its tokens and positions too ($RKV_DONATE_STEP_IO=1: every buffer the step writes is
 #           one it was given, so a captured graph need not be updated between steps), against
 #           command buffers alone, donation alone and neither.
-# Usage: bash benchmarks/session10_h200.sh a|b|c|d
+#   part e: the shipped code (command buffers with custom calls on by default, the decode step
+#           donating its tokens and positions): resident 2K / 32K / 128K / 512K; 128K
+#           half-offloaded with command buffers on (the default) and off, alternating; 1M under
+#           the default budget; the GPU-only tests.
+# Usage: bash benchmarks/session10_h200.sh a|b|c|d|e
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 SWEEP='[{"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66},
@@ -57,6 +61,17 @@ case "$PART" in
     res3 off_1
     XLA_FLAGS=$CB RKV_DONATE_STEP_IO=1 res3 cbdon_2
     res3 off_2
+    ;;
+  e)
+    OFF=--xla_gpu_enable_command_buffer=
+    T=150 run res --configs=rkv_resident --contexts=2048,32768,131072,524288
+    T=80 run half128_on --configs=rkv_offload --contexts=131072
+    XLA_FLAGS=$OFF T=80 run half128_off --configs=rkv_offload --contexts=131072
+    T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --offload_steps=10
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt
+    pack
     ;;
   c)
     echo "== microbatch $(date +%T)"

@@ -699,9 +699,10 @@ def _decode_rkv(step, caches, context, warmup, steps, batch, *, pipelined=True):
   import jax
   import jax.numpy as jnp
   from rkv.generate import greedy_pick
-  from rkv import validation
-  from rkv.models import transformer
-  donated = step.jitted and validation.env_switch(transformer.DONATE_STEP_IO_ENV, False)
+  # A jitted step donates the tokens it is given (rkv.models.jit_forward): the next step deletes
+  # this one's, so a queued loop waits on a copy of them (a one-kernel program behind the step),
+  # as rkv.generate keeps its tokens.
+  donated = step.jitted
   tok = jnp.zeros((batch, 1), jnp.int32)
   pos = jnp.full((batch, 1), context, jnp.int32)  # every row at the same position
   times, dispatch = [], []
@@ -720,8 +721,6 @@ def _decode_rkv(step, caches, context, warmup, steps, batch, *, pipelined=True):
       now = time.perf_counter()
       times.append(now - last)
       last = now
-    # With the step's tokens donated ($RKV_DONATE_STEP_IO), the next step deletes this one's
-    # tokens: wait on a copy of them instead (a one-kernel program queued behind the step).
     queued = jnp.copy(tok) if donated else tok
   if queued is not None:
     jax.block_until_ready(queued)

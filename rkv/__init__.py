@@ -10,8 +10,11 @@ Device memory: importing rkv sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.98`` (JAX's
 0.75) unless it (or ``XLA_CLIENT_MEM_FRACTION``) is already set or jax's backend already exists;
 ``rkv.offload.memory.device_memory()`` says which happened. Opt out by setting the variable
 yourself before importing rkv, e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=.75``. It also adds
-``--xla_gpu_enable_command_buffer=`` to ``XLA_FLAGS`` (XLA's CUDA graphs off: resident decode ran
-1.31x faster without them on the H200) unless ``XLA_FLAGS`` already sets that flag. JAX's INFO lines for the platforms it probes and
+``--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN`` to ``XLA_FLAGS``
+(XLA's CUDA graphs around a decode step's kernels, custom calls included: the host then launches
+one graph where it launched ~700 kernels; rkv/_env.py has the figures) unless ``XLA_FLAGS``
+already sets that flag (``--xla_gpu_enable_command_buffer=`` turns them off). JAX's INFO lines
+for the platforms it probes and
 does not find ("Unable to initialize backend 'tpu'") are dropped (``RKV_SHOW_BACKEND_PROBE=1``
 keeps them).
 """
@@ -20,7 +23,7 @@ keeps them).
 from rkv import _env
 
 _env.set_default_mem_fraction()
-_env.add_default_xla_flags()  # XLA's command buffers off: faster decode on the H200 (rkv/_env.py)
+_env.add_default_xla_flags()  # XLA's command buffers for custom calls too (rkv/_env.py)
 _env.quiet_backend_probe()  # no "Unable to initialize backend 'tpu'" line in INFO logs
 
 from rkv.attention import attention, attention_reference, attention_xla, merge, merge_partials

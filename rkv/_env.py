@@ -76,13 +76,19 @@ def set_default_mem_fraction(environ=None, modules=None,
   return source
 
 
-# XLA's command buffers (CUDA graphs), switched off. Measured in one run on the H200
-# (benchmarks/results/beyond_hbm/cmdbuf_{on,off}.json, Llama-3-8B shape, B=1): resident decode
-# 114.85 tok/s with them off vs 87.95 with them forced on at 2K (1.31x), 74.43 vs 68.69 at 128K;
-# offloaded rows unchanged (128K half 6.91 vs 6.90, 1M 6.48 vs 6.50). Without any flag (XLA's
-# default) earlier runs stepped 10.5-11.1 ms at 2K (decode_trace_h200*.json): like "on", but that
-# is across runs, a lead only; so is the earlier comparison that had suggested forcing them on.
-COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=",)
+# XLA's command buffers (CUDA graphs), with the kinds that hold a decode step's kernels: XLA's
+# fusions, cuBLAS(Lt) GEMMs, custom calls (rkv's Pallas kernels) and cuDNN. Measured on the H200
+# (benchmarks/results/beyond_hbm/session10/{b,d}/, Llama-3-8B shape, B=1, resident, one jitted
+# program a step): a step launches ~700 kernels, which took the host 4.2-4.5 ms where the GPU ran
+# them in 4.4-5.6, so queued steps swung with the host from run to run (2K 160-227 tok/s, 32K
+# 120-193 with them off); captured, the host launches one graph and the same rows ran 215-217 /
+# 180-183 / 119-121 tok/s at 2K / 32K / 128K in four runs (off, interleaved: 160-193 / 136-159 /
+# 116-119). A step read back before the next (generate with stop tokens) is as fast as with them
+# off (2K 177 / 171 vs 174 / 166) because the step donates every buffer it writes
+# (rkv.models.jit_forward): with fresh token buffers each step XLA re-recorded the graph on the
+# critical path (156 tok/s). Before the decode step was one program (many programs a step, each
+# waited for), forcing them on had been slower (cmdbuf_{on,off}.json: 87.95 vs 114.85 at 2K).
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",)
 XLA_FLAGS_ENV = "XLA_FLAGS"
 
 
@@ -90,7 +96,7 @@ def add_default_xla_flags(environ=None, modules=None, flags=COMMAND_BUFFER_FLAGS
   """Appends each of ``flags`` to ``XLA_FLAGS`` whose name the user's ``XLA_FLAGS`` does not
   already set (theirs win), unless jax's backends exist (too late: XLA parsed the variable).
   Returns whether any flag was added. Opting out: set the flag yourself, e.g.
-  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS`` (XLA's kinds) turns them on."""
+  ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` turns command buffers off."""
   environ = os.environ if environ is None else environ
   if backends_initialized(modules):
     return False

@@ -417,6 +417,12 @@ def _sample(logits, key, temperature, top_p, top_k):
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _next_index(i):
+  """``i + 1`` in ``i``'s own buffer (the sampling step index of :func:`generate`)."""
+  return i + 1
+
+
 def sample_pick(logits, key, i, temperature, top_p, top_k):
   """:func:`sample` of step ``i`` (the key folded with ``i``): a pick for :meth:`Stepper.decode`
   with ``pick_args = (key, i, temperature, top_p, top_k)``."""
@@ -509,8 +515,20 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
     pick, pick_args = greedy_pick, lambda i: ()
   else:
     pick = sample_pick
-    pick_args = lambda i: (key, jnp.int32(i), jnp.float32(temperature), jnp.float32(top_p),
-                           jnp.int32(top_k))
+    # The same device arrays every step, the step index one buffer counted up in place
+    # (_next_index): a jitted step whose inputs keep their buffers replays its captured CUDA
+    # graph instead of re-recording it (see rkv.models.jit_forward).
+    consts = (jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
+    index = [jnp.int32(0), 0]  # the device step index, and the host's count of it
+
+    def pick_args(i):
+      # Counted up when the next step asks, once the last step (which reads it) is dispatched.
+      if i != index[1]:  # the loop asks for steps 0, 1, 2, ... in order
+        raise AssertionError(f"{where}: sampling step {i} asked for where step {index[1]} was next")
+      if i:
+        index[0] = _next_index(index[0])
+      index[1] = i + 1
+      return (key, index[0]) + consts
 
   # Early stopping reads each token back to the host; without stops or a callback nothing does.
   watch = bool(stops.size) or on_token is not None
@@ -531,9 +549,15 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   t0 = time.perf_counter()
   logits, caches = _prefill(step, prompt, caches, fill, chunk=chunk, progress=progress,
                             progress_every=PROGRESS_EVERY)
+  # A jitted step donates the tokens and positions it is given (rkv.models.jit_forward): each
+  # step is fed the last one's own output (`feed`, so the buffers stay put) and the tokens kept
+  # are copies (one small program a step).
+  keep = jnp.copy if step.jitted else (lambda x: x)
   out = []  # [B,1] device tokens, one a step
+  feed = None
   if max_new_tokens:
-    out.append(_pick_next(logits, jnp.zeros((b, 1), jnp.int32), pick_args(0), pick=pick)[0])
+    feed = _pick_next(logits, jnp.zeros((b, 1), jnp.int32), pick_args(0), pick=pick)[0]
+    out.append(keep(feed))
   jax.block_until_ready(out or logits)
   t1 = time.perf_counter()
   stopped = should_stop(0, out[0][:, 0]) if out and watch else None
@@ -545,7 +569,8 @@ def generate(model, prompt_tokens, *, max_new_tokens: int, caches, temperature: 
   # successive tokens' completion.
   step_s, last, queued = [], t1, None
   for i in range(1, max_new_tokens if stopped is None else 0):
-    tok, positions, caches = step.decode(out[-1], positions, caches, pick, pick_args(i))
+    feed, positions, caches = step.decode(feed, positions, caches, pick, pick_args(i))
+    tok = keep(feed)
     out.append(tok)
     if watch or queued is not None:
       jax.block_until_ready(tok if watch else queued)

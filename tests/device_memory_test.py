@@ -436,11 +436,12 @@ def test_host_memory_reads_this_machine():
 def test_command_buffer_flags_are_added_unless_the_user_set_them():
   env = {}
   assert _env.add_default_xla_flags(env, modules={})
-  assert env["XLA_FLAGS"].split() == ["--xla_gpu_enable_command_buffer="]
+  assert env["XLA_FLAGS"].split() == list(_env.COMMAND_BUFFER_FLAGS)
+  assert "CUSTOM_CALL" in _env.COMMAND_BUFFER_FLAGS[0]  # rkv's Pallas kernels in the graph too
   # The user's own setting of the flag wins; their other flags are kept.
   env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
   assert _env.add_default_xla_flags(env, modules={})
-  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", "--xla_gpu_enable_command_buffer="]
+  assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", *_env.COMMAND_BUFFER_FLAGS]
   env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION --xla_dump_to=/tmp/x"}
   assert not _env.add_default_xla_flags(env, modules={})  # nothing left to add
   assert env["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION --xla_dump_to=/tmp/x"

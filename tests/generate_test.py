@@ -95,6 +95,28 @@ def test_decode_step_keeps_undonated_caches(llama):
   np.testing.assert_array_equal(np.asarray(pos1), P + 1)
 
 
+def test_decode_step_donates_tokens_and_positions(llama):
+  # With donated caches the step also consumes its tokens and positions (their successors take
+  # the same buffers: a captured CUDA graph is then replayed as it is, rkv/_env.py), and a loop
+  # that feeds each step the last one's outputs gives the teacher-forced argmaxes.
+  model, tokens, _ = llama
+  fwd = models.jit_forward(model, last_only=True)
+  caches = models.init_caches(model.config, 2, P + 3)
+  _, caches = fwd(jnp.asarray(tokens[:, :P]), jnp.asarray(gen._positions(2, 0, P)), caches)
+  tok = jnp.asarray(tokens[:, P:P + 1])
+  pos = jnp.full((2, 1), P, jnp.int32)
+  nxt, pos1, caches = fwd.decode_step(tok, pos, caches, gen.greedy_pick)
+  assert tok.is_deleted() and pos.is_deleted()
+  kept = jnp.copy(nxt)
+  nxt2, pos2, _ = fwd.decode_step(nxt, pos1, caches, gen.greedy_pick)
+  assert nxt.is_deleted() and not kept.is_deleted()
+  seq = np.concatenate([tokens[:, :P + 1], np.asarray(kept)], axis=1)
+  full = np.asarray(model(jnp.asarray(seq)))
+  np.testing.assert_array_equal(full[:, -2:].argmax(-1),
+                                np.concatenate([np.asarray(kept), np.asarray(nxt2)], axis=1))
+  np.testing.assert_array_equal(np.asarray(pos2), P + 2)
+
+
 def test_decode_step_traces_once():
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
   tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]

@@ -328,11 +328,6 @@ class Transformer(nnx.Module):
     return logits, tuple(new_caches)
 
 
-# $RKV_DONATE_STEP_IO=1: the decode step also donates its tokens and positions (an A/B switch,
-# read when jit_forward builds the step; the caller must not reuse the arrays it passed).
-DONATE_STEP_IO_ENV = "RKV_DONATE_STEP_IO"
-
-
 def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool = False,
                 donate_caches: bool = True):
   """A jitted pure form of ``model``: ``fn(tokens, positions=None, caches=None)``.
@@ -342,7 +337,10 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   the update happens in place (the caches passed in must not be used again). The program is specialized on shapes only:
   a decode loop with fixed ``[B,1]`` tokens traces once (``fn.jitted._cache_size()``).
   ``fn.decode_step(tokens, positions, caches, pick, pick_args)`` is one decode step with the pick
-  of the next tokens in the same program (what :meth:`rkv.generate.Stepper.decode` runs).
+  of the next tokens in the same program (what :meth:`rkv.generate.Stepper.decode` runs); with
+  ``donate_caches`` it donates its tokens and positions as well as the caches (keep a copy of a
+  token array you still need: ``jnp.copy``), so that every buffer the step writes is one it was
+  given.
   """
   # The parameters travel as a flat list of arrays (C++ pytree flattening, as layered_forward's
   # programs take them) rather than as the nnx State (Python flatten rules on every call). On the
@@ -364,8 +362,14 @@ def jit_forward(model: Transformer, *, impl: str | None = None, last_only: bool 
   # converted eagerly and the next positions put up, and the GPU idled through all of it. Queued
   # one ahead through this program, resident 2K decode went from 171 to 208 tok/s, 512K from 46
   # to 50 (one run, docs/DESIGN.md §7).
-  step_donated = (("caches",) if donate_caches else ()) + (
-      ("tokens", "positions") if validation.env_switch(DONATE_STEP_IO_ENV, False) else ())
+  # The step donates its tokens and positions too: their successors then take the same buffers,
+  # and with XLA's command buffers on (rkv/_env.py) a step whose buffers are all where the last
+  # one's were replays its captured CUDA graph without re-recording it. Measured on the H200
+  # (benchmarks/results/beyond_hbm/session10/d/): with command buffers but fresh token/position
+  # buffers each step, a step read back before the next (generate with stop tokens) ran 156 /
+  # 135 / 95 tok/s at 2K / 32K / 128K; donating them, 177 / 148 / 100 (without command buffers
+  # 174 / 149 / 101).
+  step_donated = ("caches", "tokens", "positions") if donate_caches else ()
 
   @functools.partial(jax.jit, donate_argnames=step_donated, static_argnames=("pick",))
   def decode(leaves, tokens, positions, caches, pick_args, *, pick):
