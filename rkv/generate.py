@@ -325,7 +325,9 @@ class Stepper:
     ``(next tokens [B,1] int32, positions + 1, caches)``, the next tokens ``pick(logits [B,V],
     *pick_args)`` (:func:`greedy_pick`, :func:`sample_pick`). Nothing is read back, so a loop can
     dispatch step ``i+1`` before step ``i`` has run. Jitted: one program (``jit_forward``'s
-    ``decode_step``); layered: the layers' programs, then one program for the pick."""
+    ``decode_step``, which also consumes the ``tokens`` and ``positions`` passed in: feed it the
+    last step's outputs and keep ``jnp.copy`` of the tokens you need); layered: the layers'
+    programs, then one program for the pick."""
     decode_step = getattr(self.fn, "decode_step", None) if self.jitted else None
     if decode_step is not None:
       return decode_step(tokens, positions, caches, pick, pick_args)
