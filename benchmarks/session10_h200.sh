@@ -17,9 +17,9 @@
 #           one it was given, so a captured graph need not be updated between steps), against
 #           command buffers alone, donation alone and neither.
 #   part e: the shipped code (command buffers with custom calls on by default, the decode step
-#           donating its tokens and positions): resident 2K / 32K / 128K / 512K; 128K
-#           half-offloaded with command buffers on (the default) and off, alternating; 1M under
-#           the default budget; the GPU-only tests.
+#           donating its tokens and positions; part d's "cbdon" rows are its resident figures):
+#           128K half-offloaded with command buffers on (the default) and off; 1M under the
+#           default budget; the GPU-only tests.
 # Usage: bash benchmarks/session10_h200.sh a|b|c|d|e
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
@@ -64,7 +64,6 @@ case "$PART" in
     ;;
   e)
     OFF=--xla_gpu_enable_command_buffer=
-    T=150 run res --configs=rkv_resident --contexts=2048,32768,131072,524288
     T=80 run half128_on --configs=rkv_offload --contexts=131072
     XLA_FLAGS=$OFF T=80 run half128_off --configs=rkv_offload --contexts=131072
     T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --offload_steps=10
