@@ -14,10 +14,18 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(HERE, "beyond_hbm")
 # (file, settings, rows to take: (config, context, batch, kv_dtype))
 PICK = [
-    ("session8/a/res.json", "shipped defaults: each step one program with its greedy pick and "
-     "next positions, queued one ahead (step i+1 launched before step i is waited for); each "
-     "step waited for in the same run (sync_tokens_per_s): 171.39 / 145.46 / 98.16 / 45.67",
-     [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072, 524288)]),
+    ("session10/d/res_cbdon_1.json", "shipped defaults of session 10: XLA's command buffers "
+     "with custom calls (the flag rkv now sets; set in XLA_FLAGS for this A/B run) and the decode "
+     "step donating its tokens and positions ($RKV_DONATE_STEP_IO=1 then, the default now); "
+     "each step one program, queued one ahead. The same run's second round "
+     "(res_cbdon_2.json): 217.00 / 182.56 / 120.71; without either (res_off_1/2.json): "
+     "192.85 / 147.79 / 117.96 and 159.54 / 158.62 / 118.92; each step waited for: "
+     "176.61 / 147.74 / 100.04 (off 174.14 / 148.81 / 100.69)",
+     [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072)]),
+    ("session8/a/res.json", "session 8's defaults (no command buffers; not rerun in session "
+     "10): each step one program with its greedy pick and next positions, queued one ahead; "
+     "each step waited for in the same run: 45.67",
+     [("rkv_resident", 524288, 1, "bfloat16")]),
     ("session8/a/half128.json", "shipped defaults (steps queued one ahead, the join, the "
      "512-bit CPU kernel); each step waited for: 8.48",
      [("rkv_offload", 131072, 1, "bfloat16")]),
