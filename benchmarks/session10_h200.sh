@@ -16,7 +16,8 @@
 #           its tokens and positions too ($RKV_DONATE_STEP_IO=1: every buffer the step writes is
 #           one it was given, so a captured graph need not be updated between steps), against
 #           command buffers alone, donation alone and neither.
-#   part e: the shipped code (command buffers with custom calls on by default, the decode step
+#   part e (NOT RUN: the session's device time ran out; the next session's first call): the
+#           shipped code (command buffers with custom calls on by default, the decode step
 #           donating its tokens and positions; part d's "cbdon" rows are its resident figures):
 #           128K half-offloaded with command buffers on (the default) and off; the GPU-only
 #           tests (1M was dropped: the session's device time ran short).

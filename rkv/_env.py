@@ -88,6 +88,8 @@ def set_default_mem_fraction(environ=None, modules=None,
 # (rkv.models.jit_forward): with fresh token buffers each step XLA re-recorded the graph on the
 # critical path (156 tok/s). Before the decode step was one program (many programs a step, each
 # waited for), forcing them on had been slower (cmdbuf_{on,off}.json: 87.95 vs 114.85 at 2K).
+# Not yet measured with custom calls captured: the offloaded (layered) steps, whose per-layer
+# programs take fresh buffers each call (benchmarks/session10_h200.sh e is that A/B).
 COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",)
 XLA_FLAGS_ENV = "XLA_FLAGS"
 
