@@ -40,6 +40,14 @@ def _decode(step, caches, start: int, n: int, batch: int):
   return caches
 
 
+def _timed(step, caches, start: int, warmup: int, n: int, batch: int):
+  """``warmup`` untimed steps, then ``n`` timed ones: (their seconds, the caches)."""
+  caches = _decode(step, caches, start, warmup, batch)
+  t0 = time.perf_counter()
+  caches = _decode(step, caches, start + warmup, n, batch)
+  return time.perf_counter() - t0, caches
+
+
 def _concurrent(steps, caches, start, warmup, n, batch):
   """Each cache set decoded in its own thread: ``warmup`` steps, a barrier, ``n`` timed steps.
   Returns (seconds of the timed steps, new caches)."""
@@ -111,6 +119,10 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
     rows.append(row)
     log(f"{variant} (round {round_}): {row['tokens_per_s']:.2f} tok/s")
 
+  def failed(variant, round_, e):
+    rows.append(dict(variant=variant, round=round_, error=f"{type(e).__name__}: {e}"))
+    log(f"{variant}: {rows[-1]['error']}")
+
   for r in range(repeats):
     # The whole batch: one plan, one cache set, one thread.
     try:
@@ -118,13 +130,10 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
       caches = db.build_caches(whole_cfg, mc, context, jax.random.key(r), plan, log=log,
                                what=f"whole {batch}")
       step = Stepper(model, caches, None)
-      caches = _decode(step, caches, fill, warmup, batch)
-      t0 = time.perf_counter()
-      caches = _decode(step, caches, fill + warmup, steps, batch)
-      add("whole", r, time.perf_counter() - t0, batch * steps, plan=info)
+      elapsed, caches = _timed(step, caches, fill, warmup, steps, batch)
+      add("whole", r, elapsed, batch * steps, plan=info)
     except Exception as e:  # noqa: BLE001 - keep the other rows
-      rows.append(dict(variant="whole", round=r, error=f"{type(e).__name__}: {e}"))
-      log(f"whole: {rows[-1]['error']}")
+      failed("whole", r, e)
     finally:
       caches = step = None
       gc.collect()
@@ -143,10 +152,8 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
       # split: one thread, one part after the other
       t_total = 0.0
       for j in range(microbatches):
-        sets[j] = _decode(stepper[j], sets[j], start, warmup, half)
-        t0 = time.perf_counter()
-        sets[j] = _decode(stepper[j], sets[j], start + warmup, steps, half)
-        t_total += time.perf_counter() - t0
+        elapsed, sets[j] = _timed(stepper[j], sets[j], start, warmup, steps, half)
+        t_total += elapsed
       add("split", r, t_total, batch * steps, plans=infos)
       start += warmup + steps
       for threads in [None] + list(cpu_threads):
@@ -164,8 +171,7 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
         add(name, r, elapsed, batch * steps, cpu_threads=threads)
         start += warmup + steps
     except Exception as e:  # noqa: BLE001 - keep the other rows
-      rows.append(dict(variant="microbatches", round=r, error=f"{type(e).__name__}: {e}"))
-      log(f"microbatches: {rows[-1]['error']}")
+      failed("microbatches", r, e)
     finally:
       sets = stepper = None
       gc.collect()

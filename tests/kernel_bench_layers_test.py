@@ -1,0 +1,19 @@
+"""CPU smoke test of the stacked decode rows (lab.kernel_bench.run_layers): every contender runs,
+agrees with rkv's default path, and its figures are consistent with its time."""
+
+from lab import kernel_bench
+
+
+def test_layer_rows_agree_and_their_figures_follow_the_time():
+  result = kernel_bench.run_layers(contexts=[256], layers=2, n_outer=1, log=lambda m: None,
+                                   sweep_decode=[{"num_splits": 2}])
+  rows = {r["impl"]: r for r in result["rows"]}
+  assert set(rows) == {"rkv_pallas", "rkv_pallas[0]", "jax_xla"}, rows
+  layer_bytes = 2 * 256 * 8 * 128 * 4  # K and V, float32 on the CPU
+  for r in rows.values():
+    assert r["max_abs_diff_vs_rkv_pallas"] < 1e-4, r
+    per_layer = r["us_per_layer"] * 1e-6
+    assert abs(r["kv_read_tbps"] - layer_bytes / per_layer / 1e12) < 1e-12
+    assert abs(r["hbm_bound_ratio"] * layer_bytes / (kernel_bench.HBM_TBPS * 1e12)
+               - per_layer) < 1e-12
+  assert rows["rkv_pallas[0]"]["block_sizes"] == {"num_splits": 2}
