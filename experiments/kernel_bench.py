@@ -35,7 +35,10 @@ def main(argv):
   # Output paths first: an unwritable one used to fail only after the whole run.
   benchmarking.check_output_path(_OUT.value)
   if _LAYERS.value:
-    contexts = [int(c) for c in _CONTEXTS.value]
+    try:
+      contexts = [int(c) for c in _CONTEXTS.value]
+    except ValueError:
+      contexts = []
     if not contexts or min(contexts) < 1:
       raise SystemExit(f"--contexts must be positive integers, got {_CONTEXTS.value}")
     result = kernel_bench.run_layers(contexts=contexts, layers=_LAYERS.value,

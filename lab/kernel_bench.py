@@ -20,6 +20,7 @@ import rkv
 from rkv import benchmarking
 from rkv.pallas import decode_attention as decode_kernel
 from rkv.pallas import flash_attention as flash_kernel
+from rkv.planner.profile import H200_DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,10 @@ def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str,
   in a decode step the calls follow each other inside one program and each reads another
   layer's cache. Rows give microseconds a layer, the K+V bytes a layer over that time, and the
   ratio of that time to the bytes at ``HBM_TBPS`` (the copy rate of the H200 profile)."""
+  if not isinstance(layers, int) or layers < 1:
+    raise ValueError(f"run_layers: layers must be a positive int, got {layers!r}")
+  if not contexts or any(not isinstance(c, int) or c < 1 for c in contexts):
+    raise ValueError(f"run_layers: contexts must be positive ints, got {contexts!r}")
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   rows = []
@@ -216,9 +221,9 @@ def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str,
               rows=rows)
 
 
-# The H200 profile's measured HBM copy rate (benchmarks/results/profile_h200_v3.json), for the
-# stacked rows' ratio.
-HBM_TBPS = 4.591
+# The stacked rows' ratio uses the HBM rate of rkv's shipped H200 profile (its decode-step
+# bounds use the same figure).
+HBM_TBPS = H200_DEFAULT.hbm_gbps / 1e3
 
 LAYER_COLUMNS = ["shape", "impl", "us_per_layer", "kv_read_tbps", "hbm_bound_ratio",
                  "max_abs_diff_vs_rkv_pallas"]

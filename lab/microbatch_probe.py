@@ -86,6 +86,11 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
   """The rows of experiments/microbatch_probe.py. ``memory_stats``: returns the device's
   ``memory_stats()`` (default: device 0's; tests inject them on the CPU, which has none);
   ``bench``: further lab.decode_bench.BenchConfig fields (a tiny model's dtype, tile cells)."""
+  if not isinstance(microbatches, int) or microbatches < 2:
+    raise ValueError(f"microbatch_probe: microbatches must be an int >= 2, got {microbatches!r}")
+  if not isinstance(batch, int) or batch % microbatches:
+    raise ValueError(f"microbatch_probe: batch={batch!r} must be a multiple of "
+                     f"microbatches={microbatches}")
   stats_of = memory_stats or (lambda: jax.devices()[0].memory_stats())
   from flax import nnx
   from rkv.generate import Stepper
@@ -104,8 +109,6 @@ def run(*, preset: str, batch: int, microbatches: int, context: int, profile_pat
   whole_cfg, half_cfg = config(batch), config(half)
   mc = db.model_config(whole_cfg)
   model = Transformer(mc, rngs=nnx.Rngs(0))
-  if memory_stats is not None and batch % microbatches:
-    raise ValueError(f"batch={batch} must be a multiple of microbatches={microbatches}")
   jax.block_until_ready(nnx.state(model))
   db.warm_layered_programs(model, mc, whole_cfg, log)
   db.warm_layered_programs(model, mc, half_cfg, log)

@@ -82,8 +82,8 @@ def set_default_mem_fraction(environ=None, modules=None,
 # program a step): a step launches ~700 kernels, which took the host 4.2-4.5 ms where the GPU ran
 # them in 4.4-5.6, so queued steps swung with the host from run to run (2K 160-227 tok/s, 32K
 # 120-193 with them off); captured, the host launches one graph and the same rows ran 215-217 /
-# 180-183 / 119-121 tok/s at 2K / 32K / 128K in four runs (off, interleaved: 160-193 / 136-159 /
-# 116-119). A step read back before the next (generate with stop tokens) is as fast as with them
+# 180-183 / 119-121 tok/s at 2K / 32K / 128K in four runs (off, interleaved with them: 160-213 /
+# 120-159 / 116-119). A step read back before the next (generate with stop tokens) is as fast as with them
 # off (2K 177 / 171 vs 174 / 166) because the step donates every buffer it writes
 # (rkv.models.jit_forward): with fresh token buffers each step XLA re-recorded the graph on the
 # critical path (156 tok/s). Before the decode step was one program (many programs a step, each

@@ -17,3 +17,11 @@ def test_layer_rows_agree_and_their_figures_follow_the_time():
     assert abs(r["hbm_bound_ratio"] * layer_bytes / (kernel_bench.HBM_TBPS * 1e12)
                - per_layer) < 1e-12
   assert rows["rkv_pallas[0]"]["block_sizes"] == {"num_splits": 2}
+
+
+def test_bad_layers_or_contexts_are_refused_by_name():
+  import pytest
+  with pytest.raises(ValueError, match="layers must"):
+    kernel_bench.run_layers(contexts=[256], layers=0)
+  with pytest.raises(ValueError, match="contexts must"):
+    kernel_bench.run_layers(contexts=[256, -1], layers=2)

@@ -26,3 +26,12 @@ def test_every_variant_runs_and_counts_every_row():
   assert len(rows["split"]["plans"]) == 2
   assert all(p["host_kv_gib"] > 0 for p in rows["split"]["plans"]), rows["split"]["plans"]
   assert rows["whole"]["plan"]["host_kv_gib"] > 0
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused_before_any_work():
+  import pytest
+  for batch, micro, what in ((5, 2, "multiple of microbatches"), (4, 1, "microbatches must")):
+    with pytest.raises(ValueError, match=what):
+      microbatch_probe.run(preset="tiny-llama", batch=batch, microbatches=micro, context=8192,
+                           profile_path=None, warmup=1, steps=1, cpu_threads=[], repeats=1,
+                           log=lambda m: None, memory_stats=lambda: None)
