@@ -21,6 +21,11 @@
 #           donating its tokens and positions; part d's "cbdon" rows are its resident figures):
 #           128K half-offloaded with command buffers on (the default) and off; the GPU-only
 #           tests (1M was dropped: the session's device time ran short).
+# Parts a, b and d compare against the defaults of their time (command buffers off, the step's
+# tokens not donated; $RKV_DONATE_STEP_IO an A/B switch since removed): to reproduce them run the
+# script at the commit that ran them (a, b: e2d015d; d: 578f2a7). At later commits both are the
+# defaults, so their "base"/"off" rows would need XLA_FLAGS=--xla_gpu_enable_command_buffer= and
+# "don"/"cb" rows cannot be separated. Parts c and e run as they are.
 # Usage: bash benchmarks/session10_h200.sh a|b|c|d|e
 D=/tmp/s10 NAME=s10 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
