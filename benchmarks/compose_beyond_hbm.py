@@ -22,30 +22,32 @@ PICK = [
      "192.85 / 147.79 / 117.96 and 159.54 / 158.62 / 118.92; each step waited for: "
      "176.61 / 147.74 / 100.04 (off 174.14 / 148.81 / 100.69)",
      [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072)]),
-    ("session8/a/res.json", "session 8's defaults (no command buffers; not rerun in session "
-     "10): each step one program with its greedy pick and next positions, queued one ahead; "
-     "each step waited for in the same run: 45.67",
+    ("session11/a/res512.json", "shipped defaults of session 11 (command buffers with custom "
+     "calls, the donated step I/O); each step waited for in the same run: 46.26. Session 8's "
+     "defaults (no command buffers): 50.41 (session8/a/res.json)",
      [("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session8/a/half128.json", "shipped defaults (steps queued one ahead, the join, the "
-     "512-bit CPU kernel); each step waited for: 8.48",
+    ("session11/a/half128_on.json", "shipped defaults of session 11 (command buffers on); each "
+     "step waited for: 8.24. Command buffers off / on, alternating over two runs: 8.69 / 8.43 "
+     "(session10/e/, on first), 7.76 / 8.42 (this run, off first). Session 8 (off): 8.55",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("session8/b/1m_base_2.json", "shipped defaults (steps queued one ahead, the join, the "
-     "512-bit CPU kernel); the same run's first 1M row also 8.54 (session8/a/1m_base_1.json); "
-     "each step waited for: 8.40 / 8.34. Session 7's ten runs on four machines: 4.23-8.63, "
-     "median 8.12",
+    ("session11/a/1m.json", "shipped defaults of session 11 (command buffers on); each step "
+     "waited for: 8.40. Session 8 (command buffers off): 8.54 twice "
+     "(session8/a/1m_base_1.json, session8/b/1m_base_2.json); session 7's ten runs on four "
+     "machines: 4.23-8.63, median 8.12",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session8/b/half512.json", "shipped defaults (steps queued one ahead); each step waited "
-     "for: 3.06; 2.69 in session 7",
+    ("session8/b/half512.json", "session 8's defaults (command buffers off; not rerun since); "
+     "each step waited for: 3.06; 2.69 in session 7",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session8/b/2m_int8.json", "shipped defaults (steps queued one ahead), the profile's "
-     "fallback int8 share 0.52; the bound uses the int8 rate; each step waited for: 4.94 "
-     "(4.75 in session 7)",
+    ("session11/d/2m_int8_on.json", "shipped defaults of session 11 (command buffers on), the "
+     "profile's fallback int8 share 0.52; the bound uses the int8 rate. The median of three runs "
+     "with command buffers on: 4.22 (session11/b/), 5.04 (this), 5.31 (session11/e/); off in "
+     "the same machines' runs: 5.26 (session11/d/, before this one), 5.36 (session11/e/). "
+     "Session 8 (off): 5.41; each step waited for here: 3.86",
      [("rkv_offload", 2097152, 1, "int8")]),
-    ("session9/b/b8_plan_1.json", "shipped defaults, the ninth session's planner (the one-tile "
-     "tail laid out as two 4992-cell tiles, hybrid, one streamed and one on the CPU); the same "
-     "run's second row 55.72 (session9/b/b8_plan_2.json); each step waited for: 62.13 / 53.08. "
-     "The eighth session's plan (one 8960-cell tile, cpu) 44.57; in session 9 alternating with "
-     "the two-tile plan: 35.07 / 48.36 against 57.25 / 58.63 (session9/a/)",
+    ("session11/b/b8.json", "shipped defaults of session 11 (command buffers on; the ninth "
+     "session's planner: the one-tile tail laid out as two 4992-cell tiles, hybrid); each step "
+     "waited for: 55.89. Session 9 (command buffers off): 57.14 / 55.72 "
+     "(session9/b/b8_plan_1/2.json); the eighth session's plan (one 8960-cell tile, cpu) 44.57",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 # The rows' bounds use the profile their plan was made with (profile_h200_v3.json, probed with the

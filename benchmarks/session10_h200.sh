@@ -16,11 +16,11 @@
 #           its tokens and positions too ($RKV_DONATE_STEP_IO=1: every buffer the step writes is
 #           one it was given, so a captured graph need not be updated between steps), against
 #           command buffers alone, donation alone and neither.
-#   part e (NOT RUN: the session's device time ran out; the next session's first call): the
+#   part e (ran first thing in the eleventh session, at 5a40c2e; results in session10/e/): the
 #           shipped code (command buffers with custom calls on by default, the decode step
 #           donating its tokens and positions; part d's "cbdon" rows are its resident figures):
 #           128K half-offloaded with command buffers on (the default) and off; the GPU-only
-#           tests (1M was dropped: the session's device time ran short).
+#           tests (33 passed).
 # Parts a, b and d compare against the defaults of their time (command buffers off, the step's
 # tokens not donated; $RKV_DONATE_STEP_IO an A/B switch since removed): to reproduce them run the
 # script at the commit that ran them (a, b: e2d015d; d: 578f2a7). At later commits both are the

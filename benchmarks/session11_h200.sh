@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 10, eleventh session, on one H200. Every file goes to /tmp/s11 and is packed into
+# $OUT/s11_<part>.tgz after each step.
+#   part a: the shipped defaults (command buffers on) at 1M and resident 512K; 128K half-offloaded
+#           with command buffers off, then on (session10_h200.sh e ran on, off). As run it began
+#           with four Nsight Compute steps that all failed (rkv's default preallocates 0.98 of the
+#           device and ncu must save what a replayed kernel writes); they are removed here and
+#           part b does them.
+#   part b: the same Nsight Compute profiles in one process, the device not preallocated (128K
+#           also block_k=128 with 8 warps); then 2M int8 and B=8 x 128K under the shipped defaults.
+#   part c: part b's profiles say the decode kernel is bound by its programs' per-iteration latency
+#           (89 KB of shared memory a program at block_k=64, 3 stages: 2 programs an SM, 2 warps
+#           a scheduler, 0.5 eligible), so: decode attention as a step runs it at 2K / 32K / 128K
+#           for tilings that fit more programs an SM (2 stages, block_k=32) with more splits;
+#           Nsight Compute on two of them at 128K.
+#   part d: 2M int8 with command buffers off, then on (part b's 4.22 tok/s against session 8's
+#           5.41: is it the new default?).
+#   part e: the same two in the other order (on, then off).
+# Usage: bash benchmarks/session11_h200.sh a|b|c|d|e. Results: benchmarks/results/beyond_hbm/session11/
+# (each part's own files; the ncu CSVs gzipped afterwards and summarised by benchmarks/ncu_summary.py).
+D=/tmp/s11 NAME=s11 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+  --section WarpStateStats --section LaunchStats --section SchedulerStats"
+case "$PART" in
+  a)
+    T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --offload_steps=10
+    T=110 run res512 --configs=rkv_resident --contexts=524288
+    OFF=--xla_gpu_enable_command_buffer=
+    XLA_FLAGS=$OFF T=70 run half128_off --configs=rkv_offload --contexts=131072
+    T=70 run half128_on --configs=rkv_offload --contexts=131072
+    ;;
+  b)
+    echo "== ncu $(date +%T)"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 300 ncu --clock-control none \
+      --profile-from-start off $NCU_SECTIONS --csv --page details python3 benchmarks/ncu_decode.py \
+      --runs='[[2048, {}], [32768, {}], [131072, {}], [131072, {"block_k": 128, "num_warps": 8}]]' \
+      > $D/ncu_decode.csv 2> $D/ncu_decode.err
+    echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
+    grep "^S=" $D/ncu_decode.csv
+    grep '"Duration"\|"DRAM Throughput"\|"Achieved Occupancy"' $D/ncu_decode.csv | \
+      awk -F'","' '{print $5, $(NF-2), $(NF-1), $NF}' | cut -c1-160 | head -60
+    pack
+    T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
+    T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
+    ;;
+  c)
+    SWEEP='[{"num_stages": 2, "num_splits": 66}, {"num_stages": 2, "num_splits": 49},
+            {"block_k": 32, "num_splits": 49}, {"block_k": 32, "num_splits": 66},
+            {"block_k": 32, "num_stages": 4, "num_splits": 49}, {"num_splits": 49},
+            {"num_stages": 2, "num_splits": 33}]'
+    echo "== kernel layers $(date +%T)"
+    PYTHONPATH=$PWD timeout 240 python3 -m experiments.kernel_bench --layers=32 \
+      --contexts=2048,32768,131072 --sweep_decode="$SWEEP" --out=$D/kernel_layers.json \
+      2>&1 | q | grep -E "S=|rror" | tail -40
+    pack
+    echo "== ncu $(date +%T)"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 120 ncu --clock-control none \
+      --profile-from-start off $NCU_SECTIONS --csv --page details python3 benchmarks/ncu_decode.py \
+      --runs='[[131072, {"num_stages": 2, "num_splits": 66}], [131072, {"block_k": 32, "num_splits": 49}]]' \
+      > $D/ncu_decode.csv 2> $D/ncu_decode.err
+    python3 benchmarks/ncu_summary.py $D/ncu_decode.csv > $D/ncu_summary.txt
+    grep -E "===|Duration|Memory Throughput|Shared Mem|Registers|Achieved Occ|Eligible Warps" $D/ncu_summary.txt
+    pack
+    ;;
+  d)
+    OFF=--xla_gpu_enable_command_buffer=
+    XLA_FLAGS=$OFF T=120 run 2m_int8_off --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8
+    T=120 run 2m_int8_on --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
+    ;;
+  e)
+    OFF=--xla_gpu_enable_command_buffer=
+    T=110 run 2m_int8_on2 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
+    XLA_FLAGS=$OFF T=110 run 2m_int8_off2 --configs=rkv_offload --budget=auto \
+      --contexts=2097152 --kv_dtype=int8
+    ;;
+esac
+echo "== done $(date +%T)"
