@@ -6,9 +6,11 @@ staging tile, the stream / cpu / hybrid tactics) are exact by construction and c
 shapes everywhere; this gate runs them at the sizes of a 1M-token Llama-3-8B layer, where a bug
 in an offset, a tile count or an int32 product would only show at scale. A sample of KV heads
 (one, with its G = 4 query heads) keeps the whole-device reference within memory: 1M cells of
-one bf16 KV head are 512 MiB of K/V. The layout is the planner's at 1M with the default budget on
-the H200 (benchmarks/results/decode_beyond_hbm_h200.json: W = 956,160, 32,384-cell tiles, two full
-tail tiles and a partly filled staging tile). On CPU the same checks run at a 4K-cell layout.
+one bf16 KV head are 512 MiB of K/V. The layout is one the planner made at 1M with the default
+budget on the H200 (benchmarks/results/beyond_hbm/cmdbuf_on.json: W = 956,160, 32,384-cell tiles,
+two full tail tiles and a partly filled staging tile); the plan of the rows in
+decode_beyond_hbm_h200.json since session 8 is W = 960,128 with four 22,144-cell tiles, the same
+code paths at other offsets. On CPU the same checks run at a 4K-cell layout.
 """
 
 import jax
