@@ -40,9 +40,9 @@ PICK = [
      [("rkv_offload", 524288, 1, "bfloat16")]),
     ("session11/d/2m_int8_on.json", "shipped defaults of session 11 (command buffers on), the "
      "profile's fallback int8 share 0.52; the bound uses the int8 rate. The median of three runs "
-     "with command buffers on: 4.22 (session11/b/), 5.04 (this), 5.31 (session11/e/); off in "
-     "the same machines' runs: 5.26 (session11/d/, before this one), 5.36 (session11/e/). "
-     "Session 8 (off): 5.41; each step waited for here: 3.86",
+     "with command buffers on: 4.22 (session11/b/, another machine), 5.04 (this), 5.31 "
+     "(session11/e/); off on this machine: 5.26 (session11/d/, before this one), 5.36 "
+     "(session11/e/, after its on-run). Session 8 (off): 5.41; each step waited for here: 3.86",
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session11/b/b8.json", "shipped defaults of session 11 (command buffers on; the ninth "
      "session's planner: the one-tile tail laid out as two 4992-cell tiles, hybrid); each step "
