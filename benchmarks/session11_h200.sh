@@ -17,7 +17,10 @@
 #           5.41: is it the new default?).
 #   part e: the same two in the other order (on, then off).
 # Usage: bash benchmarks/session11_h200.sh a|b|c|d|e. Results: benchmarks/results/beyond_hbm/session11/
-# (each part's own files; the ncu CSVs gzipped afterwards and summarised by benchmarks/ncu_summary.py).
+# (each part's own files; the ncu CSVs gzipped afterwards and summarised by
+# `python3 -m experiments.ncu_summary --csv=...`). Parts b and c ran the driver as
+# benchmarks/ncu_decode.py (its call lines began "S="); it is experiments.ncu_decode now, the same
+# calls (lab/ncu_profile.py).
 D=/tmp/s11 NAME=s11 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
@@ -34,11 +37,11 @@ case "$PART" in
     echo "== ncu $(date +%T)"
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 300 ncu --clock-control none \
-      --profile-from-start off $NCU_SECTIONS --csv --page details python3 benchmarks/ncu_decode.py \
+      --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
       --runs='[[2048, {}], [32768, {}], [131072, {}], [131072, {"block_k": 128, "num_warps": 8}]]' \
       > $D/ncu_decode.csv 2> $D/ncu_decode.err
     echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
-    grep "^S=" $D/ncu_decode.csv
+    grep "^ncu_call" $D/ncu_decode.csv
     grep '"Duration"\|"DRAM Throughput"\|"Achieved Occupancy"' $D/ncu_decode.csv | \
       awk -F'","' '{print $5, $(NF-2), $(NF-1), $NF}' | cut -c1-160 | head -60
     pack
@@ -58,10 +61,10 @@ case "$PART" in
     echo "== ncu $(date +%T)"
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 120 ncu --clock-control none \
-      --profile-from-start off $NCU_SECTIONS --csv --page details python3 benchmarks/ncu_decode.py \
+      --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
       --runs='[[131072, {"num_stages": 2, "num_splits": 66}], [131072, {"block_k": 32, "num_splits": 49}]]' \
       > $D/ncu_decode.csv 2> $D/ncu_decode.err
-    python3 benchmarks/ncu_summary.py $D/ncu_decode.csv > $D/ncu_summary.txt
+    PYTHONPATH=$PWD python3 -m experiments.ncu_summary --csv=$D/ncu_decode.csv > $D/ncu_summary.txt
     grep -E "===|Duration|Memory Throughput|Shared Mem|Registers|Achieved Occ|Eligible Warps" $D/ncu_summary.txt
     pack
     ;;
