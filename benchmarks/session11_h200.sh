@@ -16,7 +16,13 @@
 #   part d: 2M int8 with command buffers off, then on (part b's 4.22 tok/s against session 8's
 #           5.41: is it the new default?).
 #   part e: the same two in the other order (on, then off).
-# Usage: bash benchmarks/session11_h200.sh a|b|c|d|e. Results: benchmarks/results/beyond_hbm/session11/
+#   part f (NOT RUN: the session's device time ran out; for the next session): resident 2K / 32K
+#           / 128K, the decode wrapper's launch-cutting options (the chain split merge with the
+#           queries packed in the kernel: ~5 fewer small kernels a layer) against the defaults,
+#           alternating. Session 8 measured them with each step waited for and no command
+#           buffers (no faster); queued under command buffers a step is the GPU's busy time, so
+#           fewer kernels may now show.
+# Usage: bash benchmarks/session11_h200.sh a|b|c|d|e|f. Results: benchmarks/results/beyond_hbm/session11/
 # (each part's own files; the ncu CSVs gzipped afterwards and summarised by
 # `python3 -m experiments.ncu_summary --csv=...`). Parts b and c ran the driver as
 # benchmarks/ncu_decode.py (its call lines began "S="); it is experiments.ncu_decode now, the same
@@ -25,6 +31,18 @@ D=/tmp/s11 NAME=s11 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
   --section WarpStateStats --section LaunchStats --section SchedulerStats"
+ncu_calls() {  # ncu_calls SECONDS RUNS_JSON: experiments.ncu_decode under ncu, then its summary
+  echo "== ncu $(date +%T)"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout $1 ncu --clock-control none \
+    --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
+    --runs="$2" > $D/ncu_decode.csv 2> $D/ncu_decode.err
+  echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
+  PYTHONPATH=$PWD python3 -m experiments.ncu_summary --csv=$D/ncu_decode.csv > $D/ncu_summary.txt
+  grep -E "===|Duration|Memory Throughput|Shared Mem|Registers|Achieved Occ|Eligible Warps" \
+    $D/ncu_summary.txt
+  pack
+}
 case "$PART" in
   a)
     T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --offload_steps=10
@@ -34,17 +52,7 @@ case "$PART" in
     T=70 run half128_on --configs=rkv_offload --contexts=131072
     ;;
   b)
-    echo "== ncu $(date +%T)"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 300 ncu --clock-control none \
-      --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
-      --runs='[[2048, {}], [32768, {}], [131072, {}], [131072, {"block_k": 128, "num_warps": 8}]]' \
-      > $D/ncu_decode.csv 2> $D/ncu_decode.err
-    echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
-    grep "^ncu_call" $D/ncu_decode.csv
-    grep '"Duration"\|"DRAM Throughput"\|"Achieved Occupancy"' $D/ncu_decode.csv | \
-      awk -F'","' '{print $5, $(NF-2), $(NF-1), $NF}' | cut -c1-160 | head -60
-    pack
+    ncu_calls 300 '[[2048, {}], [32768, {}], [131072, {}], [131072, {"block_k": 128, "num_warps": 8}]]'
     T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
     T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     ;;
@@ -58,15 +66,7 @@ case "$PART" in
       --contexts=2048,32768,131072 --sweep_decode="$SWEEP" --out=$D/kernel_layers.json \
       2>&1 | q | grep -E "S=|rror" | tail -40
     pack
-    echo "== ncu $(date +%T)"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout 120 ncu --clock-control none \
-      --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
-      --runs='[[131072, {"num_stages": 2, "num_splits": 66}], [131072, {"block_k": 32, "num_splits": 49}]]' \
-      > $D/ncu_decode.csv 2> $D/ncu_decode.err
-    PYTHONPATH=$PWD python3 -m experiments.ncu_summary --csv=$D/ncu_decode.csv > $D/ncu_summary.txt
-    grep -E "===|Duration|Memory Throughput|Shared Mem|Registers|Achieved Occ|Eligible Warps" $D/ncu_summary.txt
-    pack
+    ncu_calls 120 '[[131072, {"num_stages": 2, "num_splits": 66}], [131072, {"block_k": 32, "num_splits": 49}]]'
     ;;
   d)
     OFF=--xla_gpu_enable_command_buffer=
@@ -79,6 +79,14 @@ case "$PART" in
     T=110 run 2m_int8_on2 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
     XLA_FLAGS=$OFF T=110 run 2m_int8_off2 --configs=rkv_offload --budget=auto \
       --contexts=2097152 --kv_dtype=int8
+    ;;
+  f)
+    res3() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+               --contexts=2048,32768,131072 "$@"; }
+    res3 base_1
+    RKV_DECODE_SPLIT_MERGE=chain RKV_DECODE_QUERY_PACK=kernel res3 chainpack_1
+    res3 base_2
+    RKV_DECODE_SPLIT_MERGE=chain RKV_DECODE_QUERY_PACK=kernel res3 chainpack_2
     ;;
 esac
 echo "== done $(date +%T)"
