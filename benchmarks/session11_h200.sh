@@ -17,11 +17,13 @@
 #           5.41: is it the new default?).
 #   part e: the same two in the other order (on, then off).
 #   part f (NOT RUN: the session's device time ran out; for the next session): resident 2K / 32K
-#           / 128K, the decode wrapper's launch-cutting options (the chain split merge with the
-#           queries packed in the kernel: ~5 fewer small kernels a layer) against the defaults,
-#           alternating. Session 8 measured them with each step waited for and no command
-#           buffers (no faster); queued under command buffers a step is the GPU's busy time, so
-#           fewer kernels may now show.
+#           / 128K, the decode wrapper's launch-cutting options against the defaults,
+#           alternating: the queries packed in the kernel with the chain split merge, and with
+#           the merge kernel (split_merge="kernel", new this session: a T=1 call then runs the
+#           key-bounds reduction, the decode kernel and the merge kernel, where ncu counted ~10
+#           kernels); kernel_bench --layers for the same. Session 8 measured chain + pack with
+#           each step waited for and no command buffers (no faster); queued under command
+#           buffers a step is the GPU's busy time, so fewer kernels may now show.
 # Usage: bash benchmarks/session11_h200.sh a|b|c|d|e|f. Results: benchmarks/results/beyond_hbm/session11/
 # (each part's own files; the ncu CSVs gzipped afterwards and summarised by
 # `python3 -m experiments.ncu_summary --csv=...`). Parts b and c ran the driver as
@@ -83,10 +85,17 @@ case "$PART" in
   f)
     res3() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
                --contexts=2048,32768,131072 "$@"; }
-    res3 base_1
-    RKV_DECODE_SPLIT_MERGE=chain RKV_DECODE_QUERY_PACK=kernel res3 chainpack_1
-    res3 base_2
-    RKV_DECODE_SPLIT_MERGE=chain RKV_DECODE_QUERY_PACK=kernel res3 chainpack_2
+    echo "== kernel layers $(date +%T)"
+    PYTHONPATH=$PWD timeout 200 python3 -m experiments.kernel_bench --layers=32 \
+      --contexts=2048,32768,131072 --out=$D/kernel_layers_f.json --sweep_decode='[
+        {"split_merge": "kernel"}, {"split_merge": "kernel", "query_pack": "kernel"},
+        {"split_merge": "chain", "query_pack": "kernel"}]' 2>&1 | q | grep -E "S=|rror" | tail -20
+    pack
+    for round in 1 2; do
+      res3 base_$round
+      RKV_DECODE_SPLIT_MERGE=kernel RKV_DECODE_QUERY_PACK=kernel res3 mergepack_$round
+      RKV_DECODE_SPLIT_MERGE=chain RKV_DECODE_QUERY_PACK=kernel res3 chainpack_$round
+    done
     ;;
 esac
 echo "== done $(date +%T)"

@@ -45,6 +45,33 @@ def test_greedy_equals_argmax_of_teacher_forced(llama):
   np.testing.assert_array_equal(forced[:, :-1].argmax(-1), out.tokens[:, 1:])
 
 
+@pytest.mark.parametrize("split_merge,query_pack", [("kernel", "kernel"), ("kernel", "wrapper"),
+                                                    ("chain", "kernel")])
+def test_decode_wrapper_options_decode_like_the_default(monkeypatch, split_merge, query_pack):
+  # The decode kernel's opt-in wrapper options ($RKV_DECODE_SPLIT_MERGE, $RKV_DECODE_QUERY_PACK)
+  # as a model step runs them (resident caches, explicit positions, interpret mode on CPU): the
+  # same greedy tokens and, teacher-forced, the same logits as the defaults to float32 rounding.
+  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="pallas")
+  tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
+  prompt, seq = tokens[:, :P], tokens[:, :P + 4]
+
+  def run():
+    fwd = models.jit_forward(model, last_only=True)
+    out = _gen(model, prompt, fwd, n=4)
+    logits = gen.decode_logits(model, seq, models.init_caches(model.config, 2, P + 4),
+                               prefill_len=P, forward=fwd)
+    return out.tokens, logits
+
+  monkeypatch.delenv("RKV_DECODE_SPLIT_MERGE", raising=False)
+  monkeypatch.delenv("RKV_DECODE_QUERY_PACK", raising=False)
+  want_tokens, want_logits = run()
+  monkeypatch.setenv("RKV_DECODE_SPLIT_MERGE", split_merge)
+  monkeypatch.setenv("RKV_DECODE_QUERY_PACK", query_pack)
+  got_tokens, got_logits = run()
+  np.testing.assert_array_equal(got_tokens, want_tokens)
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_reproducible_and_tiny_top_p_is_greedy(llama):
   model, tokens, fwd = llama
   prompt = tokens[:, :P]

@@ -294,12 +294,16 @@ def test_bad_input_raises(call, match):
 
 
 CHAIN = da.BlockSizes(block_k=16, num_splits=3, split_merge="chain")
+MERGE_KERNEL = da.BlockSizes(block_k=16, num_splits=3, split_merge="kernel")
+OTHER_MERGES = pytest.mark.parametrize("CHAIN", [CHAIN, MERGE_KERNEL], ids=["chain", "kernel"])
 
 
-def test_chain_split_merge_matches_reference_and_tree():
-  # The online ("chain") merge of the splits, beside the default tree merge: the float64 reference
-  # on the cases that exercise the merge (uneven and empty splits, rows that see nothing, NaN in
-  # holes), and the tree merge's result to float32 rounding.
+@OTHER_MERGES
+def test_chain_split_merge_matches_reference_and_tree(CHAIN):
+  # The online merges of the splits ("chain" in the wrapper, "kernel" in a Pallas kernel of its
+  # own), beside the default tree merge: the float64 reference on the cases that exercise the
+  # merge (uneven and empty splits, rows that see nothing, NaN in holes), and the tree merge's
+  # result to float32 rounding.
   q, k, v = _inputs(15, 2, 3, 8, 2, 64, 100)
   _check(q, k, v, tol_name="float32", block_sizes=CHAIN)
   _check(q, k, v, tol_name="float32", block_sizes=CHAIN, causal=False, window=30)
@@ -319,13 +323,34 @@ def test_chain_split_merge_matches_reference_and_tree():
     np.testing.assert_allclose(a, np.asarray(b_), rtol=1e-6, atol=1e-6)
 
 
-def test_chain_split_merge_propagates_nan():
+@OTHER_MERGES
+def test_chain_split_merge_propagates_nan(CHAIN):
   q, k, v = _inputs(16, 1, 1, 8, 2, 64, 96)
   k = k.at[0, 70, 1].set(jnp.nan)  # a visible key of kv head 1, in the last split
   o, lse = da.decode_attention(q, k, v, block_sizes=CHAIN, interpret=True)
   o, lse = np.asarray(o), np.asarray(lse)
   assert np.all(np.isnan(o[0, 0, 4:])) and np.all(np.isnan(lse[0, 0, 4:]))  # heads of kv head 1
   assert np.all(np.isfinite(o[0, 0, :4])) and np.all(np.isfinite(lse[0, 0, :4]))
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 40], ids=["one_split", "one_chunk", "two_chunks"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_kernel_equals_the_tree_merge(num_splits, dtype):
+  # split_merge="kernel" writes o in q's dtype from its float32 merge; the tree merges in float32
+  # and casts after. With 40 splits of 16 keys over 100 most splits are empty (lse = -inf) and the
+  # kernel's loop takes two chunks of 32; D = 96 pads the columns to 128.
+  q, k, v = _inputs(18, 2, 3, 8, 2, 96, 100)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  blocks = da.BlockSizes(block_k=16, num_splits=num_splits, split_merge="kernel")
+  o, lse = da.decode_attention(q, k, v, block_sizes=blocks, interpret=True)
+  o_t, lse_t = da.decode_attention(q, k, v, block_sizes=dataclasses.replace(blocks,
+                                                                          split_merge="tree"),
+                                   interpret=True)
+  assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == q.shape[:3]
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_t, np.float32), rtol=tol,
+                             atol=tol)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_t), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t,h,kh,d", [(1, 8, 2, 64), (3, 8, 2, 96), (16, 64, 4, 32)],
@@ -349,7 +374,7 @@ def test_queries_packed_in_the_kernel_equal_the_wrapper(t, h, kh, d):
 
 
 @pytest.mark.parametrize("field,env,choices", [
-    ("split_merge", "RKV_DECODE_SPLIT_MERGE", ("tree", "chain")),
+    ("split_merge", "RKV_DECODE_SPLIT_MERGE", ("tree", "kernel")),
     ("query_pack", "RKV_DECODE_QUERY_PACK", ("wrapper", "kernel"))])
 def test_wrapper_options_from_the_environment(monkeypatch, field, env, choices):
   resolve = lambda: getattr(da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
@@ -374,6 +399,11 @@ TRITON_CONFIGS = [
     (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, query_pack="kernel")),
     (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, query_pack="kernel")),
     (16, 64, 4, 128, 4096, jnp.bfloat16, dict(query_pack="kernel", split_merge="chain")),
+    # split_merge="kernel": the merge is a second Pallas kernel (N = 33 splits: two chunks).
+    (1, 32, 8, 128, 131072, jnp.bfloat16, dict(k_pos=True, query_pack="kernel",
+                                               split_merge="kernel")),
+    (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, split_merge="kernel")),
+    (16, 64, 4, 128, 4096, jnp.bfloat16, dict(split_merge="kernel")),
 ]
 
 
@@ -402,4 +432,4 @@ def test_lowers_to_verified_triton_ir(config, monkeypatch):
                                           softcap=opts.pop("softcap", None), scale=d**-0.5,
                                           block_sizes=blocks, interpret=False)
   traced.lower(lowering_platforms=("cuda",))
-  assert verified == [True]
+  assert verified == [True] * (2 if blocks.split_merge == "kernel" else 1)

@@ -79,7 +79,7 @@ _MAX_ACC = 16 * 1024
 
 _INT32_MAX = 2**31 - 1
 
-SPLIT_MERGES = ("tree", "chain")  # the first of each is the default
+SPLIT_MERGES = ("tree", "chain", "kernel")  # the first of each is the default
 SPLIT_MERGE_ENV = "RKV_DECODE_SPLIT_MERGE"
 QUERY_PACKS = ("wrapper", "kernel")
 QUERY_PACK_ENV = "RKV_DECODE_QUERY_PACK"
@@ -113,7 +113,10 @@ class BlockSizes:
   # decode step on the H200 is launch-bound (684 kernels, 6.28 ms of host launching against a
   # 3.33 ms bound, docs/DESIGN.md §7), ~11 of them a layer in this kernel's wrapper. Measured no
   # faster on the H200 (resident 2K-512K, benchmarks/decode_wrapper_ab_h200.sh a: 32K 135.4 vs
-  # 144.7 tok/s, the rest within 3%), so not the default.
+  # 144.7 tok/s, the rest within 3%), so not the default. "kernel": a second Pallas kernel
+  # (``_merge_kernel``) merges the splits and writes o in q's dtype, so that with T=1 and a
+  # power-of-two D the unpacking is a reshape and the call's merge is one launch where the tree
+  # took ~4 (Nsight Compute, benchmarks/results/beyond_hbm/session11/b/). Not yet timed on the H200.
   split_merge: str | None = None
   # Where the G*T query rows of a kv head are packed and padded into the [R, Dp] tile, with their
   # positions: "wrapper" (XLA pad/transpose fusions before the kernel, two launches a call) or
@@ -344,6 +347,44 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
+# Splits merged per step of the merge kernel's loop: a [chunk, Dp] float32 tile of partials
+# (16 KiB at Dp=128) stays in registers, and the loop has ceil(N / chunk) steps (2 at N=33).
+_MERGE_CHUNK = 32
+
+
+def _merge_kernel(lse_ref, o_ref, o_out_ref, lse_out_ref, *, num_splits: int, chunk: int):
+  """One (batch b, kv head, packed row) program of the split merge (``split_merge="kernel"``).
+
+  Refs: lse [N] and o [N, Dp] float32, the N splits' partials of this row; outputs o [Dp] (q's
+  dtype) and lse [1] float32. An online LSE merge over chunks of ``chunk`` splits (masked past N),
+  with ``_merge_splits_chain``'s rules: a split with lse = -inf adds nothing, all -inf gives o = 0
+  and lse = -inf, and a NaN lse or o (a split that read a NaN) makes the row NaN."""
+  d_pad = o_ref.shape[-1]
+
+  def body(c, carry):
+    m, den, acc = carry
+    idx = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    ok = idx < num_splits
+    lse_c = plgpu.load(lse_ref.at[pl.ds(c * chunk, chunk)], mask=ok, other=-jnp.inf)
+    o_c = plgpu.load(o_ref.at[pl.ds(c * chunk, chunk), pl.ds(0, d_pad)],
+                     mask=jnp.broadcast_to(ok[:, None], (chunk, d_pad)), other=0.0)
+    m_new = jnp.maximum(m, jnp.max(lse_c))
+    ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: weights exp(-inf) = 0
+    alpha = jnp.exp(m - ref)
+    w = jnp.exp(lse_c - ref)
+    den = den * alpha + jnp.sum(w)
+    acc = acc * alpha + jnp.sum(w[:, None] * o_c, axis=0)
+    return m_new, den, acc
+
+  init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((d_pad,), jnp.float32))
+  m, den, acc = lax.fori_loop(0, -(-num_splits // chunk), body, init)
+  seen = den != 0  # != 0, not > 0: a NaN den must reach o and lse
+  den_safe = jnp.where(seen, den, 1.0)
+  o_out_ref[...] = (acc / den_safe).astype(o_out_ref.dtype)
+  lse = jnp.where(seen, m + jnp.log(den_safe), -jnp.inf)
+  lse_out_ref[...] = jnp.full((1,), lse, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # (3) Jitted wrappers
 # ---------------------------------------------------------------------------------------------------
@@ -517,6 +558,28 @@ def _merge_splits_chain(o_parts, lse_parts, axis: int):
   return o, lse
 
 
+def _merge_call(o_p, lse_p, *, rows: int, out_dtype, interpret: bool):
+  """The split merge as one Pallas kernel: o_p [B, N, K, R, Dp], lse_p [B, N, K, R] float32
+  (``_packed_partials``) -> o [B, K, rows, Dp] in ``out_dtype``, lse [B, K, rows] float32. Only
+  the ``rows`` real packed rows are merged (the kernel leaves padding rows unwritten)."""
+  b, n, kh, _, d_pad = o_p.shape
+  chunk = min(_MERGE_CHUNK, _next_pow2(n))
+  o, lse = pl.pallas_call(
+      functools.partial(_merge_kernel, num_splits=n, chunk=chunk),
+      grid=(b, kh, rows),
+      in_specs=[pl.BlockSpec((None, n, None, None), lambda i, j, r: (i, 0, j, r)),
+                pl.BlockSpec((None, n, None, None, d_pad), lambda i, j, r: (i, 0, j, r, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, d_pad), lambda i, j, r: (i, j, r, 0)),
+                 pl.BlockSpec((None, None, None, 1), lambda i, j, r: (i, j, r, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, rows, d_pad), out_dtype),
+                 jax.ShapeDtypeStruct((b, kh, rows, 1), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="rkv_decode_merge",
+  )(lse_p, o_p)
+  return o, lse[..., 0]
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, causal, window,
                           softcap, scale, block_sizes, interpret):
@@ -526,6 +589,9 @@ def _decode_attention_jit(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None,
                                 window=window, softcap=softcap, scale=scale,
                                 block_sizes=block_sizes, interpret=interpret)
   rows = t * g
+  if block_sizes.split_merge == "kernel":
+    o, lse = _merge_call(o_p, lse_p, rows=rows, out_dtype=q.dtype, interpret=interpret)
+    return _unpack(o[..., :d], t, g, d), _unpack(lse, t, g, None)
   # Merge on the packed layout (drop padded rows/columns first: the slices fuse into the merge).
   merge = _merge_splits_chain if block_sizes.split_merge == "chain" else _merge_splits
   o, lse = merge(o_p[..., :rows, :d], lse_p[..., :rows], axis=1)  # [B, K, rows, D], [B, K, rows]
