@@ -21,7 +21,7 @@
 #           alternating: the queries packed in the kernel with the chain split merge, and with
 #           the merge kernel (split_merge="kernel", new this session: a T=1 call then runs the
 #           key-bounds reduction, the decode kernel and the merge kernel, where ncu counted ~10
-#           kernels); kernel_bench --layers for the same. Session 8 measured chain + pack with
+#           kernels); kernel_bench --layers for the same, and ncu on the new pair. Session 8 measured chain + pack with
 #           each step waited for and no command buffers (no faster); queued under command
 #           buffers a step is the GPU's busy time, so fewer kernels may now show.
 # Usage: bash benchmarks/session11_h200.sh a|b|c|d|e|f. Results: benchmarks/results/beyond_hbm/session11/
@@ -91,6 +91,7 @@ case "$PART" in
         {"split_merge": "kernel"}, {"split_merge": "kernel", "query_pack": "kernel"},
         {"split_merge": "chain", "query_pack": "kernel"}]' 2>&1 | q | grep -E "S=|rror" | tail -20
     pack
+    ncu_calls 120 '[[2048, {"split_merge": "kernel", "query_pack": "kernel"}], [131072, {"split_merge": "kernel", "query_pack": "kernel"}]]'
     for round in 1 2; do
       res3 base_$round
       RKV_DECODE_SPLIT_MERGE=kernel RKV_DECODE_QUERY_PACK=kernel res3 mergepack_$round
