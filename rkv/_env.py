@@ -88,8 +88,10 @@ def set_default_mem_fraction(environ=None, modules=None,
 # (rkv.models.jit_forward): with fresh token buffers each step XLA re-recorded the graph on the
 # critical path (156 tok/s). Before the decode step was one program (many programs a step, each
 # waited for), forcing them on had been slower (cmdbuf_{on,off}.json: 87.95 vs 114.85 at 2K).
-# Not yet measured with custom calls captured: the offloaded (layered) steps, whose per-layer
-# programs take fresh buffers each call (benchmarks/session10_h200.sh e is that A/B).
+# The offloaded (layered) steps, whose per-layer programs take fresh buffers each call, showed no
+# regression beyond their run-to-run spread (benchmarks/results/beyond_hbm/session10/e/,
+# session11/: 128K half on / off 8.43 / 8.69 and 8.42 / 7.76; 2M int8 on 5.04 / 5.31, off 5.26 /
+# 5.36 alternating on one machine).
 COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",)
 XLA_FLAGS_ENV = "XLA_FLAGS"
 

@@ -295,18 +295,19 @@ def test_bad_input_raises(call, match):
 
 CHAIN = da.BlockSizes(block_k=16, num_splits=3, split_merge="chain")
 MERGE_KERNEL = da.BlockSizes(block_k=16, num_splits=3, split_merge="kernel")
-OTHER_MERGES = pytest.mark.parametrize("CHAIN", [CHAIN, MERGE_KERNEL], ids=["chain", "kernel"])
+OTHER_MERGES = pytest.mark.parametrize("merge_blocks", [CHAIN, MERGE_KERNEL],
+                                       ids=["chain", "kernel"])
 
 
 @OTHER_MERGES
-def test_chain_split_merge_matches_reference_and_tree(CHAIN):
+def test_online_split_merges_match_reference_and_tree(merge_blocks):
   # The online merges of the splits ("chain" in the wrapper, "kernel" in a Pallas kernel of its
   # own), beside the default tree merge: the float64 reference on the cases that exercise the
   # merge (uneven and empty splits, rows that see nothing, NaN in holes), and the tree merge's
   # result to float32 rounding.
   q, k, v = _inputs(15, 2, 3, 8, 2, 64, 100)
-  _check(q, k, v, tol_name="float32", block_sizes=CHAIN)
-  _check(q, k, v, tol_name="float32", block_sizes=CHAIN, causal=False, window=30)
+  _check(q, k, v, tol_name="float32", block_sizes=merge_blocks)
+  _check(q, k, v, tol_name="float32", block_sizes=merge_blocks, causal=False, window=30)
   b, s = 1, 120
   q, k, v = _inputs(7, b, 2, 8, 2, 64, s)
   k_pos = np.arange(s, dtype=np.int32)[None].copy()
@@ -314,7 +315,7 @@ def test_chain_split_merge_matches_reference_and_tree(CHAIN):
   k = k.at[:, 48:96].set(jnp.nan)
   v = v.at[:, 48:96].set(jnp.nan)
   q_pos = jnp.asarray([[-3, 119]], jnp.int32)  # the first row sees nothing
-  o, lse, _, _ = _check(q, k, v, tol_name="float32", block_sizes=CHAIN, q_pos=q_pos,
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", block_sizes=merge_blocks, q_pos=q_pos,
                         k_pos=jnp.asarray(k_pos))
   assert np.all(o[0, 0] == 0) and np.all(np.isneginf(lse[0, 0]))
   tree = da.decode_attention(q, k, v, q_pos=q_pos, k_pos=jnp.asarray(k_pos), block_sizes=TINY,
@@ -324,10 +325,10 @@ def test_chain_split_merge_matches_reference_and_tree(CHAIN):
 
 
 @OTHER_MERGES
-def test_chain_split_merge_propagates_nan(CHAIN):
+def test_online_split_merges_propagate_nan(merge_blocks):
   q, k, v = _inputs(16, 1, 1, 8, 2, 64, 96)
   k = k.at[0, 70, 1].set(jnp.nan)  # a visible key of kv head 1, in the last split
-  o, lse = da.decode_attention(q, k, v, block_sizes=CHAIN, interpret=True)
+  o, lse = da.decode_attention(q, k, v, block_sizes=merge_blocks, interpret=True)
   o, lse = np.asarray(o), np.asarray(lse)
   assert np.all(np.isnan(o[0, 0, 4:])) and np.all(np.isnan(lse[0, 0, 4:]))  # heads of kv head 1
   assert np.all(np.isfinite(o[0, 0, :4])) and np.all(np.isfinite(lse[0, 0, :4]))
@@ -374,15 +375,16 @@ def test_queries_packed_in_the_kernel_equal_the_wrapper(t, h, kh, d):
 
 
 @pytest.mark.parametrize("field,env,choices", [
-    ("split_merge", "RKV_DECODE_SPLIT_MERGE", ("tree", "kernel")),
-    ("query_pack", "RKV_DECODE_QUERY_PACK", ("wrapper", "kernel"))])
+    ("split_merge", "RKV_DECODE_SPLIT_MERGE", da.SPLIT_MERGES),
+    ("query_pack", "RKV_DECODE_QUERY_PACK", da.QUERY_PACKS)])
 def test_wrapper_options_from_the_environment(monkeypatch, field, env, choices):
   resolve = lambda: getattr(da.BlockSizes().resolve(batch=1, kv_heads=8, kv_len=4096, rows=16,
                                                     head_dim=128, kv_itemsize=2), field)
   monkeypatch.delenv(env, raising=False)
   assert resolve() == choices[0]  # the default
-  monkeypatch.setenv(env, choices[1])
-  assert resolve() == choices[1]
+  for choice in choices[1:]:
+    monkeypatch.setenv(env, choice)
+    assert resolve() == choice
   monkeypatch.setenv(env, "other")
   with pytest.raises(ValueError, match=env):
     resolve()
