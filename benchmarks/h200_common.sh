@@ -2,7 +2,9 @@
 # folder on the device), NAME (the $OUT archive's prefix) and PART, and optionally P (the profile).
 #   pack              archive $D as $OUT/${NAME}_$PART.tgz (after every step: a call cut short by
 #                     its time limit still returns what finished)
-#   run TAG ARGS...   one experiments.decode_bench call, its JSON at $D/TAG.json
+#   run TAG ARGS...   one experiments.decode_bench call, its JSON at $D/TAG.json; with SRC=DIR
+#                     the call runs from DIR (another tree of the code, e.g. the last commit's
+#                     for an A/B in one machine; it must hold the profile $P)
 #   trace TAG ARGS... one experiments.decode_trace call, $D/trace_TAG.json, raw trace in $D/x/TAG
 # ${T:-...} bounds each call's seconds.
 set -uo pipefail
@@ -21,7 +23,7 @@ trace() {
 run() {
   local tag=$1; shift
   echo "== $tag $(date +%T)"
-  PYTHONPATH=$PWD timeout ${T:-120} python3 -m experiments.decode_bench \
-     --profile=$P --plot= --out=$D/$tag.json "$@" 2>&1 | q | grep -E "tok/s|Error|error" | tail -4
+  (cd ${SRC:-.} && PYTHONPATH=$PWD timeout ${T:-120} python3 -m experiments.decode_bench \
+     --profile=$P --plot= --out=$D/$tag.json "$@" 2>&1) | q | grep -E "tok/s|Error|error" | tail -4
   pack
 }

@@ -16,7 +16,8 @@
 #   part d: 2M int8 with command buffers off, then on (part b's 4.22 tok/s against session 8's
 #           5.41: is it the new default?).
 #   part e: the same two in the other order (on, then off).
-#   part f (NOT RUN: the session's device time ran out; for the next session): resident 2K / 32K
+#   part f (run at the start of session 12; chain + pack at 128K did not finish inside its 100 s
+#           in either round, so those two runs have no JSON): resident 2K / 32K
 #           / 128K, the decode wrapper's launch-cutting options against the defaults,
 #           alternating: the queries packed in the kernel with the chain split merge, and with
 #           the merge kernel (split_merge="kernel", new this session: a T=1 call then runs the

@@ -31,6 +31,7 @@ from rkv.pallas import decode_attention as decode_kernel
 # The shape of one Llama-3-8B layer's decode call.
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CALL_MARK = "ncu_call:"  # printed before each call's figures, so that a summary can name calls
+FILL_KEY = "kv_fill"  # a run option that is not a BlockSizes field (see profile_decode_calls)
 # Call lines of the first driver (benchmarks/results/beyond_hbm/session11/ CSVs) began "S=".
 _CALL_PREFIXES = (CALL_MARK, "S=")
 
@@ -61,11 +62,16 @@ def profile_decode_calls(runs: Iterable, *, start: Callable[[], Any], stop: Call
   """For each ``[keys, block_sizes_overrides]`` in ``runs``: warm one decode-attention call up,
   then run it once between ``start()`` and ``stop()`` (``cuProfilerStart`` / ``cuProfilerStop``
   under ncu). Returns one record a call: the keys, the overrides and the resolved BlockSizes.
-  Overrides that are not BlockSizes fields, or values BlockSizes refuses, are refused by name
-  before anything runs."""
+  The overrides are BlockSizes fields, and ``"kv_fill": true`` to pass the cache's fill level
+  (``kv_fill=keys``, as ``ResidentCache.attend`` does). Other overrides, or values BlockSizes
+  refuses, are refused by name before anything runs."""
   runs = _check_runs(runs)
   fields = {f.name for f in dataclasses.fields(decode_kernel.BlockSizes)}
   for _, cfg in runs:
+    if not isinstance(cfg.get(FILL_KEY, False), bool):
+      raise ValueError(f"profile_decode_calls: {FILL_KEY} must be true or false, got "
+                       f"{cfg[FILL_KEY]!r}")
+    cfg = {name: value for name, value in cfg.items() if name != FILL_KEY}
     unknown = sorted(set(cfg) - fields)
     if unknown:
       raise ValueError(f"profile_decode_calls: {unknown} are not BlockSizes fields "
@@ -74,25 +80,28 @@ def profile_decode_calls(runs: Iterable, *, start: Callable[[], Any], stop: Call
   if dtype is None:
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   records = []
-  for keys, cfg in runs:
+  for keys, overrides in runs:
+    cfg = {name: value for name, value in overrides.items() if name != FILL_KEY}
     block_sizes = dataclasses.replace(decode_kernel.BlockSizes(), **cfg)
+    kv_fill = jnp.int32(keys) if overrides.get(FILL_KEY, False) else None
     kq, kk, kv = jax.random.split(jax.random.key(keys), 3)
     q = jax.random.normal(kq, (1, 1, HEADS, HEAD_DIM), dtype)
     k = jax.random.normal(kk, (1, keys, KV_HEADS, HEAD_DIM), dtype)
     v = jax.random.normal(kv, (1, keys, KV_HEADS, HEAD_DIM), dtype)
     q_pos = jnp.full((1, 1), keys - 1, jnp.int32)
     k_pos = jnp.arange(keys, dtype=jnp.int32)[None]
-    call = jax.jit(lambda q, k, v, q_pos, k_pos, bs=block_sizes: decode_kernel.decode_attention(
-        q, k, v, q_pos=q_pos, k_pos=k_pos, block_sizes=bs)[0])
+    call = jax.jit(lambda q, k, v, q_pos, k_pos, fill, bs=block_sizes:
+                   decode_kernel.decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, kv_fill=fill,
+                                                  block_sizes=bs)[0])
     for _ in range(warmup):
-      call(q, k, v, q_pos, k_pos).block_until_ready()
+      call(q, k, v, q_pos, k_pos, kv_fill).block_until_ready()
     start()
-    out = call(q, k, v, q_pos, k_pos).block_until_ready()
+    out = call(q, k, v, q_pos, k_pos, kv_fill).block_until_ready()
     stop()
     resolved = block_sizes.resolve(batch=1, kv_heads=KV_HEADS, kv_len=keys,
                                    rows=max(16, HEADS // KV_HEADS), head_dim=HEAD_DIM,
                                    kv_itemsize=jnp.dtype(dtype).itemsize)
-    record = dict(keys=keys, overrides=cfg, block_sizes=dataclasses.asdict(resolved),
+    record = dict(keys=keys, overrides=overrides, block_sizes=dataclasses.asdict(resolved),
                   finite=bool(jnp.isfinite(out).all()))
     log(f"{CALL_MARK} keys={keys} overrides={cfg} block_sizes={record['block_sizes']}")
     records.append(record)

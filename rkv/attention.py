@@ -294,7 +294,7 @@ def resolve_impl(impl: str, q_len: int) -> str:
 
 def attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, causal=True, window=None,
               softcap=None, scale=None, impl="auto", k_scale=None, v_scale=None,
-              block_sizes=None):
+              block_sizes=None, kv_fill=None):
   """Exact attention ``(o [B,T,H,D], lse [B,T,H])`` with masks from positions (docs/DESIGN.md §2).
 
   ``impl``: ``"reference"`` (float32 einsum), ``"xla"`` (tiled jnp online softmax), ``"pallas"``
@@ -309,11 +309,22 @@ def attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, causal=True, win
   any order. The result equals gathering each sequence's rows into dense ``[B,S,K,D]`` arrays
   and calling this function on those; the Pallas kernels read the rows in place (no gathered
   copy). Host row values >= R raise ``ValueError``; device row tables are not read back.
+
+  A cache filled from index 0: ``kv_fill`` (int scalar or ``[B]``) says keys at indices
+  >= kv_fill[b] are empty slots whatever ``k_pos`` says (never read; their K/V may be NaN). The
+  result equals the call with those slots' ``k_pos`` set to -1; the decode kernel uses it to bound
+  the keys without a reduction over ``k_pos`` (host values outside [0, S] raise ``ValueError``,
+  device values act clamped).
   """
   args = validation.attention_args(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale,
                                    v_scale=v_scale, window=window, softcap=softcap, scale=scale,
                                    causal=causal, kv_rows=kv_rows)
   impl = resolve_impl(impl, args.q_len)
+  kv_fill = validation.kv_fill_arg("attention", kv_fill, batch=args.batch, kv_len=args.kv_len)
+  if kv_fill is not None and not (impl == "pallas" and args.q_len <= MAX_DECODE_QUERIES):
+    # Only the decode kernel has a use for the fill level; the others take it as empty slots.
+    k_pos = validation.fill_positions(k_pos, kv_fill, batch=args.batch, kv_len=args.kv_len)
+    kv_fill = None
   # The caller's positions go through unchanged: with k_pos=None the kernels know the keys are
   # arange(S) and take their cheaper default-positions path.
   kw = dict(kv_rows=args.kv_rows, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
@@ -324,7 +335,7 @@ def attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, causal=True, win
     return attention_xla(q, k, v, **kw)
   if args.q_len <= MAX_DECODE_QUERIES:
     from rkv.pallas import decode_attention as kernel
-    return kernel.decode_attention(q, k, v, block_sizes=block_sizes, **kw)
+    return kernel.decode_attention(q, k, v, block_sizes=block_sizes, kv_fill=kv_fill, **kw)
   if block_sizes is None and jax.default_backend() == "gpu":
     mgpu = _mgpu_kernel()
     if mgpu is not None and mgpu.supports(q, k, v, **kw):

@@ -151,6 +151,31 @@ def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=Non
                        pool_rows=pool_rows)
 
 
+def kv_fill_arg(where: str, kv_fill, *, batch: int, kv_len: int):
+  """Checks ``kv_fill`` (an int scalar, ``[1]`` or ``[B]``: keys at indices >= kv_fill[b] are empty
+  slots) and returns it as int32 ``[1]`` (a scalar) or ``[B]``, or None. Host values must lie in
+  ``[0, S]``; device values are not read back (a sync per layer) and act clamped to ``[0, S]`` in
+  every impl."""
+  if kv_fill is None:
+    return None
+  shape = _shape(kv_fill)
+  if shape not in ((), (1,), (batch,)):  # (1,): a scalar this function already returned
+    raise ValueError(f"{where}: kv_fill must be a scalar or have shape (B,)=({batch},), got {shape}")
+  if not jnp.issubdtype(_dtype(kv_fill), jnp.integer):
+    raise ValueError(f"{where}: kv_fill must be an integer array, got {_dtype(kv_fill)}")
+  check_int_range(where, "kv_fill", kv_fill, 0, kv_len, f"filled slots of the S={kv_len} keys")
+  return _as_int32(kv_fill).reshape(-1)
+
+
+def fill_positions(k_pos, kv_fill, *, batch: int, kv_len: int):
+  """``k_pos`` [B,S] (None: arange) with the slots at indices >= ``kv_fill`` (from
+  :func:`kv_fill_arg`) made empty (-1): how the impls without a fast path for ``kv_fill`` honour it."""
+  idx = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+  if k_pos is None:
+    k_pos = jnp.broadcast_to(idx, (batch, kv_len))
+  return jnp.where(idx < kv_fill[:, None], _as_int32(k_pos), -1)
+
+
 def _pool_shape(where: str, k, v, kv_rows, *, batch: int) -> tuple[int, int, int, int]:
   """Checks a pool ``k, v [R,K,D]`` and its row table ``kv_rows [B,S]``; returns (R, S, K, D).
 

@@ -206,3 +206,27 @@ def test_no_keys_gives_zero_and_neg_inf_on_every_backend(impl, t):
     o, lse = rkv.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), impl=impl)
   assert o.shape == q.shape and lse.shape == q.shape[:3]
   assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t", [1, 17])  # the decode kernel (its fast path), the flash kernel
+@pytest.mark.parametrize("positions", ["default", "holes"])
+def test_kv_fill_marks_the_slots_beyond_it_empty(impl, t, positions):
+  # attention(kv_fill=...) equals float64 NumPy with the slots at indices >= kv_fill[b] given
+  # k_pos = -1, on every backend; NaN in those slots (a cache's unwritten cells) is never read.
+  case = Case("fill", t=t, s=60, h=4, k=2, d=16, b=2, positions=positions)
+  q, k, v, q_pos, k_pos, _, _ = make_inputs(case, seed=23)
+  fill = np.asarray([41, 60], np.int32)
+  k[0, 41:], v[0, 41:] = np.nan, np.nan
+  o, lse = rkv.attention(*to_jax(case, q, k, v), q_pos=q_pos, k_pos=k_pos, impl=impl,
+                         kv_fill=jnp.asarray(fill))
+  base = np.broadcast_to(np.arange(case.s), (2, case.s)) if k_pos is None else np.asarray(k_pos)
+  filled = np.where(np.arange(case.s)[None] < fill[:, None], base, -1).astype(np.int32)
+  o_ref, lse_ref = numpy_reference.attention(q, k, v, q_pos, filled)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert not np.isnan(o).any() and not np.isnan(lse).any()
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+  tol = TOLERANCES["float32"]
+  np.testing.assert_allclose(o, o_ref, atol=tol["o"][0], rtol=tol["o"][1])
+  ok = ~np.isneginf(lse_ref)
+  np.testing.assert_allclose(lse[ok], lse_ref[ok], atol=tol["lse"][0], rtol=tol["lse"][1])

@@ -45,10 +45,10 @@ def test_greedy_equals_argmax_of_teacher_forced(llama):
   np.testing.assert_array_equal(forced[:, :-1].argmax(-1), out.tokens[:, 1:])
 
 
-@pytest.mark.parametrize("split_merge,query_pack", [("kernel", "kernel"), ("kernel", "wrapper"),
+@pytest.mark.parametrize("split_merge,query_pack", [("tree", "wrapper"), ("kernel", "wrapper"),
                                                     ("chain", "kernel")])
 def test_decode_wrapper_options_decode_like_the_default(monkeypatch, split_merge, query_pack):
-  # The decode kernel's opt-in wrapper options ($RKV_DECODE_SPLIT_MERGE, $RKV_DECODE_QUERY_PACK)
+  # The decode kernel's other wrapper options ($RKV_DECODE_SPLIT_MERGE, $RKV_DECODE_QUERY_PACK)
   # as a model step runs them (resident caches, explicit positions, interpret mode on CPU): the
   # same greedy tokens and, teacher-forced, the same logits as the defaults to float32 rounding.
   model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="pallas")

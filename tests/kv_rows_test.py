@@ -352,7 +352,8 @@ def test_pool_kernels_lower_to_verified_triton_ir(config, monkeypatch):
                                        block_sizes=fa.BlockSizes.for_head_dim(d),
                                        count_visits=False, **static)
   traced.lower(lowering_platforms=("cuda",))
-  assert verified == [True]
+  # The decode call's default split merge is a second Pallas kernel (``split_merge="kernel"``).
+  assert verified == [True] * (2 if kernel == "decode" else 1)
 
 
 def test_mosaic_kernel_refuses_pools_so_the_generic_kernel_runs():

@@ -71,13 +71,14 @@ def test_parse_refuses_text_without_an_ncu_table():
 def test_profiled_calls_run_between_start_and_stop_once_each():
   events, logged = [], []
   records = ncu_profile.profile_decode_calls(
-      [[256, {}], [256, {"num_splits": 2}]], start=lambda: events.append("start"),
-      stop=lambda: events.append("stop"), warmup=1, log=logged.append)
-  assert events == ["start", "stop", "start", "stop"]
-  assert [r["overrides"] for r in records] == [{}, {"num_splits": 2}]
+      [[256, {}], [256, {"num_splits": 2}], [256, {"kv_fill": True}]],
+      start=lambda: events.append("start"), stop=lambda: events.append("stop"), warmup=1,
+      log=logged.append)
+  assert events == ["start", "stop"] * 3
+  assert [r["overrides"] for r in records] == [{}, {"num_splits": 2}, {"kv_fill": True}]
   assert records[1]["block_sizes"]["num_splits"] == 2
   assert all(r["finite"] for r in records)
-  assert all(line.startswith(ncu_profile.CALL_MARK) for line in logged) and len(logged) == 2
+  assert all(line.startswith(ncu_profile.CALL_MARK) for line in logged) and len(logged) == 3
 
 
 @pytest.mark.parametrize("runs, match", [
@@ -85,6 +86,7 @@ def test_profiled_calls_run_between_start_and_stop_once_each():
     ([[0, {}]], "keys >= 1"),
     ([[256]], "keys >= 1"),
     ([[256, {"block_q": 64}]], "not BlockSizes fields"),
+    ([[256, {"kv_fill": 256}]], "kv_fill must be true or false"),
     ([[256, {}], [256, {"block_k": 48}]], "power of two"),
 ])
 def test_bad_runs_are_refused_before_anything_is_profiled(runs, match):

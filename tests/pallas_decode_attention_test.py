@@ -33,13 +33,22 @@ def _f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
+def _filled_positions(k_pos, kv_fill, b, s):
+  """k_pos (None: arange) with the slots at indices >= kv_fill made empty: what kv_fill means."""
+  k_pos = np.broadcast_to(np.arange(s), (b, s)) if k_pos is None else np.asarray(k_pos)
+  fill = np.broadcast_to(np.asarray(kv_fill), (b,))
+  return np.where(np.arange(s)[None, :] < fill[:, None], k_pos, -1).astype(np.int32)
+
+
 def _check(q, k, v, *, tol_name, block_sizes=TINY, q_pos=None, k_pos=None, k_scale=None,
-           v_scale=None, causal=True, window=None, softcap=None, scale=None):
+           v_scale=None, causal=True, window=None, softcap=None, scale=None, kv_fill=None):
   o, lse = da.decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
                                causal=causal, window=window, softcap=softcap, scale=scale,
-                               block_sizes=block_sizes, interpret=True)
+                               kv_fill=kv_fill, block_sizes=block_sizes, interpret=True)
   assert o.dtype == q.dtype and o.shape == q.shape
   assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+  if kv_fill is not None:
+    k_pos = _filled_positions(k_pos, kv_fill, k.shape[0], k.shape[1])
   ro, rl = numpy_reference.attention(_f64(q), _f64(k), _f64(v), q_pos, k_pos, causal=causal,
                                      window=window, softcap=softcap, scale=scale, k_scale=k_scale,
                                      v_scale=v_scale)
@@ -293,6 +302,60 @@ def test_bad_input_raises(call, match):
     call(q, k, v)
 
 
+@pytest.mark.parametrize("explicit_k_pos", [False, True], ids=["arange", "k_pos"])
+@pytest.mark.parametrize("window", [None, 30], ids=["no_window", "window"])
+@pytest.mark.parametrize("query_pack", ["wrapper", "kernel"])
+def test_kv_fill_matches_reference(explicit_k_pos, window, query_pack):
+  # kv_fill: keys from index kv_fill[b] on are empty slots (NaN there must not be read). Without a
+  # window the keys are bounded from the query positions and the fill (no k_pos reduction); with
+  # one, the reduction over k_pos stops at the fill.
+  b, s = 3, 100
+  q, k, v = _inputs(19, b, 2, 8, 2, 64, s)
+  fill = np.asarray([37, 100, 0], np.int32)  # a half-filled row, a full one, an empty one
+  for row, f in enumerate(fill):
+    k = k.at[row, f:].set(jnp.nan)
+    v = v.at[row, f:].set(jnp.nan)
+  q_pos = jnp.asarray([[40, 41], [98, 99], [3, 5]], jnp.int32)
+  k_pos = None
+  if explicit_k_pos:  # left padding in row 1, a gap in row 0
+    kp = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+    kp[1, :6] = -1
+    kp[0, 10:20] = -1
+    k_pos = jnp.asarray(kp)
+  blocks = dataclasses.replace(TINY, query_pack=query_pack)
+  o, lse, _, _ = _check(q, k, v, tol_name="float32", block_sizes=blocks, q_pos=q_pos, k_pos=k_pos,
+                        window=window, kv_fill=jnp.asarray(fill))
+  assert np.all(o[2] == 0) and np.all(np.isneginf(lse[2]))  # the empty row sees nothing
+  # A scalar fill (a cache's length) is every row's; non-causal rows see every filled key.
+  _check(q[:2], k[:1].repeat(2, 0), v[:1].repeat(2, 0), tol_name="float32", block_sizes=blocks,
+         q_pos=q_pos[:2], k_pos=None if k_pos is None else k_pos[:1].repeat(2, 0), window=window,
+         kv_fill=37, causal=False)
+
+
+def test_kv_fill_with_a_row_block_of_padding_only():
+  # T*G = 33 rows pad to R = 64 in row blocks of 16: the last block holds no query (its rows are
+  # dropped by both merges), with the fill bounding every block's keys.
+  q, k, v = _inputs(20, 2, 11, 3, 1, 32, 90)
+  q_pos = jnp.asarray(np.stack([np.arange(40, 51), np.arange(70, 81)]), jnp.int32)
+  for query_pack in ("wrapper", "kernel"):
+    blocks = da.BlockSizes(block_k=16, num_splits=3, block_rows=16, query_pack=query_pack,
+                           split_merge="kernel")
+    _check(q, k, v, tol_name="float32", block_sizes=blocks, q_pos=q_pos,
+           k_pos=jnp.broadcast_to(jnp.arange(90, dtype=jnp.int32), (2, 90)),
+           kv_fill=jnp.asarray([60, 85], jnp.int32))
+
+
+@pytest.mark.parametrize("kv_fill,match", [
+    (jnp.zeros((2, 1), jnp.int32), "kv_fill must be a scalar or have shape"),
+    (jnp.zeros((3,), jnp.int32), "kv_fill must be a scalar or have shape"),
+    (jnp.zeros((1,), jnp.float32), "kv_fill must be an integer"),
+    (101, "kv_fill"), (np.asarray([-1]), "kv_fill")])
+def test_bad_kv_fill_raises(kv_fill, match):
+  q, k, v = _inputs(21, 1, 1, 8, 2, 64, 100)
+  with pytest.raises(ValueError, match=match):
+    da.decode_attention(q, k, v, kv_fill=kv_fill, interpret=True)
+
+
 CHAIN = da.BlockSizes(block_k=16, num_splits=3, split_merge="chain")
 MERGE_KERNEL = da.BlockSizes(block_k=16, num_splits=3, split_merge="kernel")
 OTHER_MERGES = pytest.mark.parametrize("merge_blocks", [CHAIN, MERGE_KERNEL],
@@ -334,12 +397,14 @@ def test_online_split_merges_propagate_nan(merge_blocks):
   assert np.all(np.isfinite(o[0, 0, :4])) and np.all(np.isfinite(lse[0, 0, :4]))
 
 
-@pytest.mark.parametrize("num_splits", [1, 5, 40], ids=["one_split", "one_chunk", "two_chunks"])
+@pytest.mark.parametrize("num_splits", [1, 5, 40, 130],
+                         ids=["one_split", "few", "one_chunk", "two_chunks"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_merge_kernel_equals_the_tree_merge(num_splits, dtype):
   # split_merge="kernel" writes o in q's dtype from its float32 merge; the tree merges in float32
-  # and casts after. With 40 splits of 16 keys over 100 most splits are empty (lse = -inf) and the
-  # kernel's loop takes two chunks of 32; D = 96 pads the columns to 128.
+  # and casts after. With 40 or 130 splits of 16 keys over 100 most splits are empty (lse = -inf);
+  # 130 takes the kernel's loop two chunks of 128. D = 96 pads the columns to 128: four column
+  # blocks a row.
   q, k, v = _inputs(18, 2, 3, 8, 2, 96, 100)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   blocks = da.BlockSizes(block_k=16, num_splits=num_splits, split_merge="kernel")
@@ -401,11 +466,17 @@ TRITON_CONFIGS = [
     (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, query_pack="kernel")),
     (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, query_pack="kernel")),
     (16, 64, 4, 128, 4096, jnp.bfloat16, dict(query_pack="kernel", split_merge="chain")),
-    # split_merge="kernel": the merge is a second Pallas kernel (N = 33 splits: two chunks).
+    # split_merge="kernel": the merge is a second Pallas kernel (N = 33 splits in one chunk).
     (1, 32, 8, 128, 131072, jnp.bfloat16, dict(k_pos=True, query_pack="kernel",
                                                split_merge="kernel")),
     (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, split_merge="kernel")),
     (16, 64, 4, 128, 4096, jnp.bfloat16, dict(split_merge="kernel")),
+    # kv_fill: the bounds from the query positions in the kernel (the resident cache's call: the
+    # fill is its length, the default merge and packing), and through the k_pos reduction (window).
+    (1, 32, 8, 128, 131072, jnp.bfloat16, dict(k_pos=True, kv_fill=True, query_pack="kernel",
+                                               split_merge="kernel")),
+    (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, kv_fill=True)),
+    (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, kv_fill=True, window=64)),
 ]
 
 
@@ -423,13 +494,14 @@ def test_lowers_to_verified_triton_ir(config, monkeypatch):
   k = jax.ShapeDtypeStruct((b, s, kh, d), kv_dt)
   scales = jax.ShapeDtypeStruct((b, s, kh), jnp.float32) if kv_dt == jnp.int8 else None
   k_pos = jax.ShapeDtypeStruct((b, s), jnp.int32) if opts.pop("k_pos", False) else None
+  kv_fill = jax.ShapeDtypeStruct((1,), jnp.int32) if opts.pop("kv_fill", False) else None
   r_pad = max(16, 1 << (t * (h // kh) - 1).bit_length())
   blocks = da.BlockSizes(split_merge=opts.pop("split_merge", "tree"),
                          query_pack=opts.pop("query_pack", "wrapper")).resolve(
       batch=b, kv_heads=kh, kv_len=s, rows=r_pad, head_dim=max(16, 1 << (d - 1).bit_length()),
       kv_itemsize=jnp.dtype(kv_dt).itemsize)
   traced = da._decode_attention_jit.trace(q, k, k, jax.ShapeDtypeStruct((b, t), jnp.int32), k_pos,
-                                          scales, scales, causal=True,
+                                          scales, scales, causal=True, kv_fill=kv_fill,
                                           window=opts.pop("window", None),
                                           softcap=opts.pop("softcap", None), scale=d**-0.5,
                                           block_sizes=blocks, interpret=False)

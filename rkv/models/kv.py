@@ -153,8 +153,10 @@ class ResidentCache:
 
   def attend(self, q, k, v, positions, *, window, softcap, scale, impl):
     new = self.write(k, v, positions)
+    # kv_fill: slots from `length` on are empty, so the decode kernel bounds its keys from the
+    # query positions without a reduction over `pos` (rkv/pallas/decode_attention.py).
     o, _ = attention(q, new.k, new.v, q_pos=positions, k_pos=new.pos, causal=True, window=window,
-                     softcap=softcap, scale=scale, impl=impl)
+                     softcap=softcap, scale=scale, impl=impl, kv_fill=new.length)
     return o, new
 
   def streamed_tiles(self) -> tuple:
