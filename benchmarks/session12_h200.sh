@@ -22,7 +22,11 @@
 #           call; resident 2K / 32K / 128K once; part b's 1M row (7.12 tok/s against 8.41 in
 #           session 11): this tree and the last commit's, alternating, on one machine.
 #   part d: part c's 1M A/B again in the other order (this tree 8.24, the last commit's 8.41).
-# Usage: bash benchmarks/session12_h200.sh a|b|c|d (parts a and c need out/base carried).
+#   part e: the shipped defaults' kernels natively against float64 NumPy and the model's tokens and
+#           logits under the other wrapper options: the shared attention suite's pallas cases
+#           (the kv_fill ones included) and generate_test's option test, on the GPU
+#           (interpret=None runs the kernels natively there).
+# Usage: bash benchmarks/session12_h200.sh a|b|c|d|e (parts a and c need out/base carried).
 # Results: benchmarks/results/beyond_hbm/session12/<part>/.
 D=/tmp/s12 NAME=s12 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
@@ -69,6 +73,11 @@ case "$PART" in
     SRC=out/base T=110 run 1m_base2 --configs=rkv_offload --budget=auto --contexts=1048576 \
       --offload_steps=10
     T=110 run 1m_new2 --configs=rkv_offload --budget=auto --contexts=1048576 --offload_steps=10
+    ;;
+  e)
+    timeout 180 python3 -m pytest -q tests/attention_test.py tests/generate_test.py \
+      -k "pallas or wrapper_options" -p no:cacheprovider > $OUT/pytest_gpu_pallas.txt 2>&1
+    tail -3 $OUT/pytest_gpu_pallas.txt
     ;;
 esac
 echo "== done $(date +%T)"
