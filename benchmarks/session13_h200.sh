@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepared in session 12 for session 13 (NOT RUN yet). After session 12 the resident decode-
+# attention call is three kernels (benchmarks/results/beyond_hbm/session12/c/ncu_summary.txt), and
+# what stands between resident 2K / 32K and 1.15x is the step's GEMMs (~0.88 of the copy rate),
+# ~14 us of small kernels a layer (norms, residual adds, RoPE, the cache writes; session 10's 2K
+# trace) and, at short contexts, the decode kernel's latency: at 2K it reads 4 MB in 13.8 us
+# (0.29 TB/s) with 32 programs of 8 iterations each, because no split is shorter than 512 keys
+# (_MIN_KEYS_PER_SPLIT). Session 11's split sweep (session11/c/) found no faster split count, but
+# then every extra split added work to the XLA merge; the merge kernel takes up to 128 splits in
+# one masked load.
+#   part a: decode attention as a step issues it (32 layers in one program) at 2K / 8K / 32K / 128K
+#           for 8 / 16 / 33 / 66 splits against the default count; Nsight Compute on 2K with the
+#           default and 16 splits. If more splits win at short contexts, lower _MIN_KEYS_PER_SPLIT
+#           and A/B resident 2K / 32K against this commit (SRC=out/base, as session 12 part a).
+# Usage: bash benchmarks/session13_h200.sh a. Results: benchmarks/results/beyond_hbm/session13/a/.
+D=/tmp/s13 NAME=s13 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+  --section WarpStateStats --section LaunchStats --section SchedulerStats"
+ncu_calls() {  # ncu_calls SECONDS RUNS_JSON: experiments.ncu_decode under ncu, then its summary
+  echo "== ncu $(date +%T)"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout $1 ncu --clock-control none \
+    --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
+    --runs="$2" > $D/ncu_decode.csv 2> $D/ncu_decode.err
+  echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
+  PYTHONPATH=$PWD python3 -m experiments.ncu_summary --csv=$D/ncu_decode.csv > $D/ncu_summary.txt
+  grep -E "===|Duration|Memory Throughput|Registers|Achieved Occ|Eligible Warps" $D/ncu_summary.txt
+  pack
+}
+case "$PART" in
+  a)
+    echo "== kernel layers $(date +%T)"
+    PYTHONPATH=$PWD timeout 300 python3 -m experiments.kernel_bench --layers=32 \
+      --contexts=2048,8192,32768,131072 --out=$D/kernel_layers_splits.json --sweep_decode='[
+        {"num_splits": 8}, {"num_splits": 16}, {"num_splits": 33}, {"num_splits": 66}]' \
+      2>&1 | q | grep -E "S=|rror" | tail -30
+    pack
+    ncu_calls 120 '[[2048, {"kv_fill": true}], [2048, {"kv_fill": true, "num_splits": 16}]]'
+    ;;
+esac
+echo "== done $(date +%T)"
