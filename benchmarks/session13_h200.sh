@@ -15,19 +15,6 @@
 # Usage: bash benchmarks/session13_h200.sh a. Results: benchmarks/results/beyond_hbm/session13/a/.
 D=/tmp/s13 NAME=s13 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
-NCU_SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-  --section WarpStateStats --section LaunchStats --section SchedulerStats"
-ncu_calls() {  # ncu_calls SECONDS RUNS_JSON: experiments.ncu_decode under ncu, then its summary
-  echo "== ncu $(date +%T)"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 \
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=$PWD timeout $1 ncu --clock-control none \
-    --profile-from-start off $NCU_SECTIONS --csv --page details python3 -m experiments.ncu_decode \
-    --runs="$2" > $D/ncu_decode.csv 2> $D/ncu_decode.err
-  echo "rc=$? $(grep -c '"Duration"' $D/ncu_decode.csv) kernels"; tail -3 $D/ncu_decode.err
-  PYTHONPATH=$PWD python3 -m experiments.ncu_summary --csv=$D/ncu_decode.csv > $D/ncu_summary.txt
-  grep -E "===|Duration|Memory Throughput|Registers|Achieved Occ|Eligible Warps" $D/ncu_summary.txt
-  pack
-}
 case "$PART" in
   a)
     echo "== kernel layers $(date +%T)"
