@@ -347,9 +347,9 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-# The merge kernel's tiling. Splits per step of its loop: up to 128, so every split count the
-# defaults choose (N <= 2 x 132 / (B*K), 66 at B=1 K=8) is one masked load of the partials and no
-# loop-carried latency; Nsight Compute timed the first version, 32 splits a step and one program a
+# The merge kernel's tiling. Splits per step of its loop: up to 128, so the split counts the
+# defaults choose (N = ceil(2 x 132 / (B*K)): 33 at B=1 K=8; only B*K = 1 or 2 goes past 128) are
+# one masked load of the partials and no loop-carried latency; Nsight Compute timed the first version, 32 splits a step and one program a
 # row, at 6.8 us for N=33 (two dependent loads; benchmarks/results/beyond_hbm/session11/f/); this
 # one at 3.6 us (session12/b/).
 _MERGE_CHUNK = 128
