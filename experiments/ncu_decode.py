@@ -21,7 +21,8 @@ from absl import flags
 from lab import ncu_profile
 
 _RUNS = flags.DEFINE_string("runs", '[[131072, {}]]', "JSON list of [keys, {BlockSizes "
-                            "overrides}]: one profiled call each.")
+                            "overrides, and \"kv_fill\": true to pass the cache's fill as the "
+                            "resident cache does}]: one profiled call each.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Unprofiled calls before each profiled one.",
                                lower_bound=1)
 
