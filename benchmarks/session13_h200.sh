@@ -12,7 +12,14 @@
 #           for 8 / 16 / 33 / 66 splits against the default count; Nsight Compute on 2K with the
 #           default and 16 splits. If more splits win at short contexts, lower _MIN_KEYS_PER_SPLIT
 #           and A/B resident 2K / 32K against this commit (SRC=out/base, as session 12 part a).
-# Usage: bash benchmarks/session13_h200.sh a. Results: benchmarks/results/beyond_hbm/session13/a/.
+#   part b: XLA's own fusion of the ~14 us of small kernels a layer (session 10's 2K trace: each
+#           RMSNorm is a reduce and a multiply, the residual adds and RoPE their own loops, ~1.3 us
+#           each). jaxlib 0.11.2 carries two flags that may fuse such normalization diamonds into
+#           block-level Triton fusions: resident 2K / 32K / 128K with each, against the defaults,
+#           alternating over two rounds; then a traced 2K step with the faster one (kernels a
+#           step, their time). If one wins, rkv sets it beside the command-buffer flags
+#           (rkv/_env.py).
+# Usage: bash benchmarks/session13_h200.sh a|b. Results: benchmarks/results/beyond_hbm/session13/.
 D=/tmp/s13 NAME=s13 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
@@ -24,6 +31,19 @@ case "$PART" in
       2>&1 | q | grep -E "S=|rror" | tail -30
     pack
     ncu_calls 120 '[[2048, {"kv_fill": true}], [2048, {"kv_fill": true, "num_splits": 16}]]'
+    ;;
+  b)
+    BLR=--xla_gpu_experimental_enable_fusion_block_level_rewriter=true
+    HPF=--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true
+    res() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+              --contexts=2048,32768,131072 "$@"; }
+    for round in 1 2; do
+      res base_$round
+      XLA_FLAGS=$BLR res blr_$round
+      XLA_FLAGS=$HPF res hpf_$round
+    done
+    T=120 trace res2k_base --configs=resident:2048
+    XLA_FLAGS=$BLR T=120 trace res2k_blr --configs=resident:2048
     ;;
 esac
 echo "== done $(date +%T)"
