@@ -94,11 +94,13 @@ QUERY_PACK_ENV = "RKV_DECODE_QUERY_PACK"
 class BlockSizes:
   """Tiling of the decode kernel. ``None`` fields are chosen from the shapes (see ``resolve``).
 
-  Defaults for the H200 at bf16 D=128, S=32K..512K: block_k=64 (16 KiB K + 16 KiB V per buffer),
-  num_stages=3 (Triton double-buffers K/V through cp.async: 70 KiB of shared memory, so several
-  programs fit on an SM), num_warps=4 (the [16, 64] logits tile is tiny; more warps only add
-  synchronisation), num_splits such that B*K*N ~ 4 x 132 programs but no split shorter than 512 keys.
-  These are reasoned and compile-checked for sm_90 (no spills), not yet timed: the H200 sweep decides.
+  Defaults for the H200 at bf16 D=128: block_k=64 (16 KiB K + 16 KiB V per buffer), num_stages=3
+  (Triton pipelines the K/V loads through cp.async: 87 KiB of shared memory a program measured, so
+  two programs an SM), num_warps=4 (the [16, 64] logits tile is tiny; more warps only add
+  synchronisation), num_splits such that B*K*N ~ 2 x 132 programs but no split shorter than 512
+  keys. Timed on the H200: the sweeps of benchmarks/results/kernel_bench_h200_sweep{1,2}.json and
+  seven tilings in a 32-layer stack (benchmarks/results/beyond_hbm/session11/c/) found none faster
+  by more than the run-to-run spread (docs/DESIGN.md §7).
   """
 
   block_k: int | None = None     # keys per inner iteration (power of two, >= 16)
