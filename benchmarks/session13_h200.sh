@@ -19,7 +19,10 @@
 #           alternating over two rounds; then a traced 2K step with the faster one (kernels a
 #           step, their time). If one wins, rkv sets it beside the command-buffer flags
 #           (rkv/_env.py).
-# Usage: bash benchmarks/session13_h200.sh a|b. Results: benchmarks/results/beyond_hbm/session13/.
+#   part c: the model-level A/B for part a without a library knob: copies of this tree with
+#           _MIN_KEYS_PER_SPLIT at 128 and 256 (sed on the copy in /tmp), resident 2K / 8K / 32K
+#           alternating with this tree over two rounds (SRC=, as session 12 part a).
+# Usage: bash benchmarks/session13_h200.sh a|b|c. Results: benchmarks/results/beyond_hbm/session13/.
 D=/tmp/s13 NAME=s13 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
@@ -44,6 +47,23 @@ case "$PART" in
     done
     T=120 trace res2k_base --configs=resident:2048
     XLA_FLAGS=$BLR T=120 trace res2k_blr --configs=resident:2048
+    ;;
+  c)
+    for keys in 128 256; do
+      rm -rf /tmp/min$keys && mkdir -p /tmp/min$keys/benchmarks/results
+      cp -r rkv experiments lab /tmp/min$keys/ && cp $P /tmp/min$keys/benchmarks/results/
+      sed -i "s/^_MIN_KEYS_PER_SPLIT = 512$/_MIN_KEYS_PER_SPLIT = $keys/" \
+        /tmp/min$keys/rkv/pallas/decode_attention.py
+      grep -q "^_MIN_KEYS_PER_SPLIT = $keys$" /tmp/min$keys/rkv/pallas/decode_attention.py \
+        || { echo "the constant moved: fix the sed"; exit 1; }
+    done
+    res() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+              --contexts=2048,8192,32768 "$@"; }
+    for round in 1 2; do
+      res min512_$round
+      SRC=/tmp/min128 res min128_$round
+      SRC=/tmp/min256 res min256_$round
+    done
     ;;
 esac
 echo "== done $(date +%T)"
