@@ -22,7 +22,12 @@
 #   part c: the model-level A/B for part a without a library knob: copies of this tree with
 #           _MIN_KEYS_PER_SPLIT at 128 and 256 (sed on the copy in /tmp), resident 2K / 8K / 32K
 #           alternating with this tree over two rounds (SRC=, as session 12 part a).
-# Usage: bash benchmarks/session13_h200.sh a|b|c. Results: benchmarks/results/beyond_hbm/session13/.
+#   part d: the opt-in fused residual add + RMSNorm kernel (rkv/pallas/rms_norm.py, session 12:
+#           tested against float64 and the models' tokens and logits, Triton IR verified, not
+#           timed): resident 2K / 32K / 128K with RKV_FUSED_NORM=1 against the defaults,
+#           alternating over two rounds. Run it beside part b: if XLA's flags fuse the norms
+#           themselves, the kernel goes.
+# Usage: bash benchmarks/session13_h200.sh a|b|c|d. Results: benchmarks/results/beyond_hbm/session13/.
 D=/tmp/s13 NAME=s13 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
@@ -63,6 +68,14 @@ case "$PART" in
       res min512_$round
       SRC=/tmp/min128 res min128_$round
       SRC=/tmp/min256 res min256_$round
+    done
+    ;;
+  d)
+    res() { local tag=$1; shift; T=${T:-100} run res_$tag --configs=rkv_resident \
+              --contexts=2048,32768,131072 "$@"; }
+    for round in 1 2; do
+      res base_$round
+      RKV_FUSED_NORM=1 res fusednorm_$round
     done
     ;;
 esac

@@ -19,6 +19,8 @@ tail, head split).
 
 RMSNorm computes in float32; Llama casts back before the weight (``w * x.astype(dtype)``), Gemma
 multiplies by ``1 + w`` in float32 first, as in transformers. Logits are returned in float32.
+With ``$RKV_FUSED_NORM=1`` (opt-in, not yet timed) the norms of decode rows, and the residual add
+before the MLP's norm, run as one Pallas kernel each (:mod:`rkv.pallas.rms_norm`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from rkv.attention import IMPLS, attention
+from rkv.pallas import rms_norm as rms_norm_kernel
 from rkv import cache as cache_lib
 from rkv import rolling as rolling_lib
 from rkv import validation
@@ -60,12 +63,31 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype))
 
   def __call__(self, x):
+    if _fused_norm(x):
+      return rms_norm_kernel.rms_norm(x, self.scale[...], eps=self.eps, plus_one=self.plus_one)
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     w = self.scale[...]
     if self.plus_one:
       return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
     return w * y.astype(x.dtype)
+
+  def add_and_norm(self, x, h):
+    """``(x + h, norm(x + h))``: the residual add and this norm, one kernel under
+    ``$RKV_FUSED_NORM`` (XLA makes three of them)."""
+    if _fused_norm(x):
+      return rms_norm_kernel.add_rms_norm(x, h.astype(x.dtype), self.scale[...], eps=self.eps,
+                                          plus_one=self.plus_one)
+    x = x + h
+    return x, self(x)
+
+
+def _fused_norm(x) -> bool:
+  """Whether this norm runs as the Pallas kernel: ``$RKV_FUSED_NORM`` on (read at trace time), and
+  decode rows (at most ``rms_norm_kernel.MAX_ROWS``)."""
+  rows = math.prod(x.shape[:-1])
+  return (validation.env_switch(rms_norm_kernel.FUSED_NORM_ENV, False)
+          and rows <= rms_norm_kernel.MAX_ROWS)
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, positions):
@@ -190,8 +212,8 @@ class Block(nnx.Module):
     h = self.attn.output(o)
     if self.attn_post_norm is not None:
       h = self.attn_post_norm(h)
-    x = x + h
-    h = self.mlp(self.mlp_norm(x))
+    x, normed = self.mlp_norm.add_and_norm(x, h)
+    h = self.mlp(normed)
     if self.mlp_post_norm is not None:
       h = self.mlp_post_norm(h)
     return x + h
