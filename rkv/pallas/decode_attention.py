@@ -15,15 +15,18 @@ is laid out to stream K/V at HBM speed, not to save flops:
   copy costs more than the kernel). Lengths that are not tile multiples and head dims that are not
   powers of two are handled by masked loads; masked-off rows are never fetched from memory.
 - Keys nobody can see (empty slots, future keys, keys outside the sliding window) are skipped: a
-  per-batch index range [lo, hi) that may hold visible keys is computed in the wrapper (analytically
-  from q_pos when k_pos is the default arange, by one fused reduction over k_pos otherwise) and the N
+  per-batch index range [lo, hi) that may hold visible keys is computed in the wrapper (from q_pos
+  alone when k_pos is the default arange, or when the caller passes ``kv_fill`` and there is no
+  window; by one fused reduction over k_pos otherwise) and the N
   splits partition only that range, so a half-empty preallocated cache or a short window over a long
   one still keeps every SM busy on the keys that matter. With default positions, keys inside the range
   but outside the visible positions are also masked out of the K/V loads (their bytes stay in HBM).
   With explicit k_pos the loads are masked by the chunk bounds only, because a load mask that depends
   on the loaded k_pos makes Triton single-buffer K/V; NaN in empty slots is neutralised after the load.
-- Each split writes a float32 partial (o normalised, lse natural log, -inf when it saw no key); the
-  wrapper merges splits exactly with a log-sum-exp weighted sum (the same merge as rkv.merge).
+- Each split writes a float32 partial (o normalised, lse natural log, -inf when it saw no key); a
+  second kernel (``_merge_kernel``) merges the splits exactly with a log-sum-exp weighted sum (the
+  same merge as rkv.merge) and writes o in q's dtype. A resident decode call is then three
+  launches: the bounds' small fusion, this kernel, the merge.
 - Many sequences in one pool (``kv_rows [B,S]``, K/V ``[R_pool,K,D]``): each block of block_k keys
   first loads its block_k row numbers, then gather-loads those rows of K and V (a pointer tensor of
   block_k x D addresses: Triton lowers a load indexed by an int array to exactly that, see
