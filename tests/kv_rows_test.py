@@ -214,6 +214,27 @@ def test_pool_call_equals_dense_call_on_gathered_rows(impl, t):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t", [1, 17])  # the decode kernel's bounds from the fill, the flash kernel
+def test_kv_fill_on_a_pool_equals_those_keys_made_empty(impl, t):
+  # kv_fill counts the row table's entries (indices into S), not pool rows: sequence 0 keeps its
+  # first 30 of 36 keys, sequence 1 all of its 21, and the result equals giving the cut keys
+  # k_pos = -1, on the same backend.
+  case = Case("fill", t=t, lengths=(36, 21), layout="shared_prefix", holes=True,
+              explicit_k_pos=True)
+  pool = make_pool(case, seed=4)
+  qj, kj, vj = to_jax(case, pool)
+  s = pool.kv_rows.shape[1]
+  fill = np.asarray([30, s], np.int32)
+  kw = dict(kv_rows=pool.kv_rows, q_pos=pool.q_pos, impl=impl,
+            block_sizes=tiles(t) if impl == "pallas" else None)
+  o, lse = rkv.attention(qj, kj, vj, k_pos=pool.k_pos, kv_fill=jnp.asarray(fill), **kw)
+  cut = np.where(np.arange(s)[None] < fill[:, None], np.asarray(pool.k_pos), -1).astype(np.int32)
+  o_r, lse_r = rkv.attention(qj, kj, vj, k_pos=cut, **kw)
+  assert not np.array_equal(np.asarray(cut), np.asarray(pool.k_pos))  # the fill cuts keys
+  assert_close("float32", np.asarray(o), np.asarray(lse), np.asarray(o_r), np.asarray(lse_r))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_all_padding_sees_no_key(impl):
   # Every key is padding over a pool of NaN: o = 0, lse = -inf, whatever k_pos says.
   pool = jnp.full((5, 2, 16), jnp.nan)
