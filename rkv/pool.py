@@ -88,6 +88,8 @@ class StepLayout:
 
   ``write_rows [B,T]``: the pool row of each fed cell (R: padding, dropped). ``read_rows,
   read_pos [B,S]``: each row's device cells after the write and their positions (-1: padding).
+  ``read_fill [B]``: how many of them each row lists (all padding comes after them: the decode
+  kernel's ``kv_fill``, so its key bounds need no reduction over ``read_pos``).
   ``stream_pages``: host pages streamed, with ``stream_pos`` (one device ``[B,page]`` per page:
   each batch row's positions of the page's cells, -1 where that row does not read them).
   ``cpu_pages[b]``: ``(pages, positions)`` the host kernel reads for batch row b (numpy
@@ -97,6 +99,7 @@ class StepLayout:
   write_rows: jax.Array
   read_rows: jax.Array
   read_pos: jax.Array
+  read_fill: jax.Array
   stream_pages: tuple
   stream_pos: tuple
   cpu_pages: tuple
@@ -166,7 +169,8 @@ class PoolKV:
     kw = dict(window=window, softcap=softcap, scale=scale, impl=impl)
 
     def resident():
-      return [_device_partial(q, kp, vp, lay.read_rows, positions, lay.read_pos, **kw)]
+      return [_device_partial(q, kp, vp, lay.read_rows, positions, lay.read_pos, lay.read_fill,
+                              **kw)]
 
     tiles = [stream.Tile(self.host_k[p], self.host_v[p], pos, None, None)
              for p, pos in zip(lay.stream_pages, lay.stream_pos)]
@@ -199,9 +203,9 @@ _scatter = jax.jit(_scatter_impl, donate_argnums=(0, 1))
 _STATIC = ("window", "softcap", "scale", "impl")
 
 
-def _device_partial_impl(q, kp, vp, rows, q_pos, k_pos, *, window, softcap, scale, impl):
+def _device_partial_impl(q, kp, vp, rows, q_pos, k_pos, fill, *, window, softcap, scale, impl):
   o, lse = attention(q, kp, vp, kv_rows=rows, q_pos=q_pos, k_pos=k_pos, causal=True,
-                     window=window, softcap=softcap, scale=scale, impl=impl)
+                     window=window, softcap=softcap, scale=scale, impl=impl, kv_fill=fill)
   return o.astype(jnp.float32), lse
 
 
@@ -578,6 +582,7 @@ class Pool:
                         self.row_bucket), r)
     read = np.full((b, s_len), -1, np.int32)
     read_pos = np.full((b, s_len), -1, np.int32)
+    read_fill = np.zeros((b,), np.int32)
     page_pos: dict[int, np.ndarray] = {}
     order: list[int] = []
     for i, (sid, toks) in enumerate(feeds):
@@ -586,6 +591,7 @@ class Pool:
       h = s.host_cells
       read[i, :len(rows)] = rows
       read_pos[i, :len(rows)] = h + np.arange(len(rows))
+      read_fill[i] = len(rows)
       for page, cells in s.pages:
         if page not in page_pos:
           page_pos[page] = np.full((b, p), -1, np.int32)
@@ -606,6 +612,7 @@ class Pool:
       cpu_pages.append((tuple(mine), tuple(page_pos[pg][i:i + 1].copy() for pg in mine)))
     layout = StepLayout(
         write_rows=jnp.asarray(write), read_rows=jnp.asarray(read), read_pos=jnp.asarray(read_pos),
+        read_fill=jnp.asarray(read_fill),
         stream_pages=tuple(streamed), stream_pos=tuple(jnp.asarray(page_pos[x]) for x in streamed),
         cpu_pages=tuple(cpu_pages) if kernel else (), q_pos=q_pos,
         next_position=max(self.seqs[sid].length for sid, _ in feeds), room=self.free_rows)
