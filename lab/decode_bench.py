@@ -165,6 +165,12 @@ class BenchConfig:
   profile_path: str | None = None
   fill_log_every: int = 4  # layers between the fill's progress lines
   seed: int = 0
+  # rkv_offload rows: after the planned split is timed, the same caches are timed again with
+  # each hybrid layer's CPU share overridden to this many of its full tail tiles (clipped to the
+  # layer's count), alternating with the planned split over sweep_rounds rounds
+  # (:func:`split_sweep`): what a finer or coarser PCIe/CPU split does, on one fill.
+  split_cpu_tiles: tuple[int, ...] = ()
+  sweep_rounds: int = 2
 
   def __post_init__(self):
     where = "BenchConfig"
@@ -198,6 +204,11 @@ class BenchConfig:
       raise ValueError(f"{where}: contexts must be ints >= 2, got {self.contexts}")
     if self.steps < 1 or self.offload_steps < 1 or self.warmup < 0 or self.offload_warmup < 0:
       raise ValueError(f"{where}: steps >= 1 and warmup >= 0 required")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.split_cpu_tiles):
+      raise ValueError(f"{where}: split_cpu_tiles must be non-negative ints (CPU tiles a "
+                       f"layer), got {self.split_cpu_tiles!r}")
+    if not isinstance(self.sweep_rounds, int) or self.sweep_rounds < 1:
+      raise ValueError(f"{where}: sweep_rounds must be a positive int, got {self.sweep_rounds!r}")
     if any(int(c) <= self.decode_steps for c in self.contexts):
       raise ValueError(f"{where}: every context must exceed the {self.decode_steps} decode "
                        f"steps (warm-up + timed), got {self.contexts}")
@@ -211,7 +222,17 @@ class BenchConfig:
   def decode_steps(self) -> int:
     """Cells the decode steps write: an rkv row's warm-up, its timed pipelined steps and as many
     timed synchronous ones (see :func:`_decode_rkv`)."""
-    return max(self.warmup + 2 * self.steps, self.offload_warmup + 2 * self.offload_steps)
+    return max(self.warmup + 2 * self.steps, self.offload_warmup + 2 * self.offload_steps
+               + self.sweep_steps)
+
+  @property
+  def sweep_steps(self) -> int:
+    """Cells the split sweep's decode steps write (each entry and the planned split, every
+    round)."""
+    if not self.split_cpu_tiles:
+      return 0
+    entries = len(self.split_cpu_tiles) + 1
+    return self.sweep_rounds * entries * (self.offload_warmup + self.offload_steps)
 
   @property
   def kv_dtype_name(self) -> str:
@@ -728,6 +749,63 @@ def _decode_rkv(step, caches, context, warmup, steps, batch, *, pipelined=True):
   return times, dispatch, caches
 
 
+def with_cpu_tiles(caches, n_cpu: int | None):
+  """``caches`` with every hybrid rolling layer's CPU share set to ``n_cpu`` of its full tail
+  tiles (clipped to its count; None: unchanged). The share is stored as a fraction
+  (``n_cpu / n``, exact under rolling's half-up rounding); a flush during the steps that follow
+  adds a tile and the same fraction may then round to another count (the sweep records the
+  counts it started from)."""
+  from rkv import cache as cache_lib
+  if n_cpu is None:
+    return caches
+  out = []
+  for c in caches:
+    if isinstance(c, cache_lib.RollingKV) and c.tactic == "hybrid" and c.n_full_tiles:
+      n = c.n_full_tiles
+      c = c.with_tactic("hybrid", min(n_cpu, n) / n)
+    out.append(c)
+  return tuple(out)
+
+
+def split_counts(caches) -> dict[str, int]:
+  """``"streamed/full"`` tile counts of the hybrid layers -> how many layers have them."""
+  from rkv import cache as cache_lib, rolling
+  counts: dict[str, int] = {}
+  for c in caches:
+    if isinstance(c, cache_lib.RollingKV) and c.tactic == "hybrid":
+      n = c.n_full_tiles
+      key = f"{rolling.streamed_count(n, 'hybrid', c.cpu_fraction)}/{n}"
+      counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
+def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, what=""):
+  """The planned split and each ``cfg.split_cpu_tiles`` override on the same caches, steps
+  queued as in :func:`_decode_rkv`, alternating over ``cfg.sweep_rounds`` rounds. Returns
+  ``(entries, caches)``: one entry per split and round with the streamed/full tile counts it ran
+  and its tokens/s (median of the timed steps)."""
+  planned = tuple((c.tactic, c.cpu_fraction) if hasattr(c, "cpu_fraction") else None
+                  for c in caches)
+  entries = []
+  for r in range(cfg.sweep_rounds):
+    for n_cpu in (None,) + tuple(cfg.split_cpu_tiles):
+      if n_cpu is None:  # back to the plan's own shares
+        caches = tuple(c if p is None or p[0] != "hybrid" else c.with_tactic(*p)
+                       for c, p in zip(caches, planned))
+      else:
+        caches = with_cpu_tiles(caches, n_cpu)
+      counts = split_counts(caches)
+      times, _, caches = _decode_rkv(step, caches, position, cfg.offload_warmup,
+                                     cfg.offload_steps, cfg.batch)
+      position += cfg.offload_warmup + cfg.offload_steps
+      e = dict(round=r, cpu_tiles="planned" if n_cpu is None else n_cpu, streamed_of=counts,
+               **_summary(times, cfg.offload_warmup, cfg.batch))
+      entries.append(e)
+      log(f"{what}: split {e['cpu_tiles']} CPU tiles ({counts}), round {r}: "
+          f"{e['tokens_per_s']:.2f} tok/s")
+  return entries, caches
+
+
 def _device_memory_stats():
   import jax
   return jax.devices()[0].memory_stats()
@@ -788,6 +866,9 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   # tokens): what the host costs between steps when nothing is queued behind the device.
   sync, sync_dispatch, caches = _decode_rkv(step, caches, fill + warmup + steps, 0, steps,
                                             cfg.batch, pipelined=False)
+  if name == "rkv_offload" and cfg.split_cpu_tiles:
+    row["split_sweep"], caches = split_sweep(step, caches, fill + warmup + 2 * steps, cfg,
+                                             log=log, what=what)
   del caches
   row.update(_summary(times, warmup, cfg.batch))
   row["pipelined"] = True

@@ -347,3 +347,41 @@ def test_decode_trace_specs_are_checked():
               "resident"):
     with pytest.raises(ValueError, match="--configs"):
       decode_trace.parse_spec(bad)
+
+
+def test_split_sweep_overrides_the_cpu_share_and_restores_the_plan():
+  # Three full tiles a hybrid layer: the sweep runs the planned share, then 0 / 2 / 5 (clipped to
+  # 3) CPU tiles, each from the same caches, and the counts it records are the ones that ran.
+  import jax
+  from flax import nnx
+  from rkv import generate as gen, rolling
+  from rkv.generate import Stepper
+  from rkv.models import Transformer
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), split_cpu_tiles=(0, 2, 5),
+                                 sweep_rounds=1, **TINY)
+  assert cfg.sweep_steps == 4 * (1 + 2) and cfg.fill(512) == 512 - 1 - 2 * 2 - 12
+  mc = decode_bench.model_config(cfg)
+  plan, _ = decode_bench._offload_plan(cfg, mc, 512)
+  plan = gen.force_tactic(plan, "hybrid", window_cells=128, tile_cells=96)
+  caches = decode_bench.build_caches(cfg, mc, 512, jax.random.key(0), plan, log=lambda m: None)
+  assert all(c.n_full_tiles == 3 for c in caches)
+  planned = [c.cpu_fraction for c in caches]
+  n_planned = rolling.streamed_count(3, "hybrid", planned[0])
+  assert decode_bench.split_counts(decode_bench.with_cpu_tiles(caches, 2)) == {
+      "1/3": mc.num_layers}
+  assert decode_bench.split_counts(decode_bench.with_cpu_tiles(caches, 5)) == {
+      "0/3": mc.num_layers}
+  model = Transformer(mc, rngs=nnx.Rngs(0))
+  step = Stepper(model, caches, None)
+  position = caches[0].fill
+  entries, caches = decode_bench.split_sweep(step, caches, position, cfg, log=lambda m: None)
+  assert [e["cpu_tiles"] for e in entries] == ["planned", 0, 2, 5]
+  assert [e["streamed_of"] for e in entries] == [
+      {f"{n_planned}/3": mc.num_layers}, {"3/3": mc.num_layers}, {"1/3": mc.num_layers},
+      {"0/3": mc.num_layers}]
+  assert all(e["tokens_per_s"] > 0 and e["n_steps"] == 2 for e in entries)
+  assert caches[0].fill == position + 4 * 3
+  with pytest.raises(ValueError, match="split_cpu_tiles"):
+    decode_bench.BenchConfig(split_cpu_tiles=(-1,), **TINY)
+  with pytest.raises(ValueError, match="sweep_rounds"):
+    decode_bench.BenchConfig(sweep_rounds=0, **TINY)
