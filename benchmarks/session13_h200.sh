@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in session 12 for session 13 (NOT RUN yet). After session 12 the resident decode-
-# attention call is three kernels (benchmarks/results/beyond_hbm/session12/c/ncu_summary.txt), and
+# Prepared in session 12 for session 13; parts b, c and d ran in session 14 (2K / 32K only, see
+# benchmarks/session14_h200.sh d and e; results in beyond_hbm/session14/), part a did not run.
+# After session 12 the resident decode-attention call is three kernels (benchmarks/results/beyond_hbm/session12/c/ncu_summary.txt), and
 # what stands between resident 2K / 32K and 1.15x is the step's GEMMs (~0.88 of the copy rate),
 # ~14 us of small kernels a layer (norms, residual adds, RoPE, the cache writes; session 10's 2K
 # trace) and, at short contexts, the decode kernel's latency: at 2K it reads 4 MB in 13.8 us

@@ -265,7 +265,9 @@ def test_default_block_sizes():
   big = resolve(1, 8, 512 * 1024)
   assert big.block_k == 64 and big.num_splits * 8 >= 2 * 132
   assert resolve(8, 8, 32 * 1024).num_splits * 64 >= 2 * 132
-  assert resolve(1, 8, 1000).num_splits == 1  # short caches are not split below 512 keys
+  assert resolve(1, 8, 500).num_splits == 1  # short caches are not split below 256 keys
+  assert resolve(1, 8, 1000).num_splits == 3
+  assert resolve(1, 8, 2048).num_splits == 8  # 256 keys a split at 2K (B=1, K=8)
   assert resolve(1, 8, 32 * 1024, d=256).block_k == 32  # keeps a K+V stage at 32 KiB
   assert resolve(1, 8, 32 * 1024, itemsize=1).block_k == 128  # int8
   assert resolve(1, 2, 32 * 1024, rows=256).block_k == 64  # [R, block_k] logits within registers

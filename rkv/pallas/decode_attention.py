@@ -60,9 +60,15 @@ MAX_QUERY_LEN = 16  # beyond this the packed tile (T*G rows) stops being "decode
 # about 2 programs per SM (N=33 at B=1, K=8) beat 4 per SM by 2-10% from 32K to 512K keys.
 _NUM_SMS = 132
 _TARGET_PROGRAMS = 2 * _NUM_SMS
-# Below ~512 keys per program the pipeline prologue/epilogue (first loads in flight, final store)
-# is no longer small next to the streaming time (512 keys x 256 B x 2 = 256 KiB per program at D=128 bf16).
-_MIN_KEYS_PER_SPLIT = 512
+# Below ~256 keys per program the pipeline prologue/epilogue (first loads in flight, final store)
+# is no longer small next to the streaming time (256 keys x 256 B x 2 = 128 KiB per program at
+# D=128 bf16). The floor was 512 while every extra split added work to an XLA merge; with the
+# merge kernel (up to 128 splits in one pass) 256 measured faster at short contexts, resident
+# decode through the model, alternating with 512 and 128 over two rounds on one H200 (tok/s at
+# 2K / 8K / 32K): 256: 227.96, 229.93 / 219.82, 220.78 / 192.26, 191.09; 512: 220.17, 222.59 /
+# 217.47, 218.84 / 188.90, 190.25; 128: 232.42, 228.96 / 217.68, 216.65 / 188.55, 189.77
+# (benchmarks/results/beyond_hbm/session14/splitfloor/). At 2K (8 kv heads) that is 8 splits, not 4.
+_MIN_KEYS_PER_SPLIT = 256
 # One pipeline buffer holds a K and a V tile. Compiled for sm_90 (Triton 3.9), block_k=64 and
 # num_stages=3 at bf16 D=128 gives two 32 KiB K/V buffers, 70 KiB of shared memory and 88 registers,
 # so up to three programs share an SM's 227 KiB (one computes while the others wait on HBM); one

@@ -11,8 +11,9 @@ in the rows' dtype, the mean of squares in float32, ``x * rsqrt(ms + eps)``, the
 rows' dtype (Llama) or ``y * (1 + w)`` in float32 (Gemma, ``plus_one``). Only the order of the
 float32 sum differs from XLA's, so results agree to float32 rounding, not bit for bit.
 
-Opt-in (``$RKV_FUSED_NORM=1``) until timed on the H200 (``benchmarks/session13_h200.sh d``):
-XLA's own block-level fusion may make it unneeded (part b of that script).
+Opt-in (``$RKV_FUSED_NORM=1``): timed on the H200 in resident decode it was no faster than XLA's
+fusions (2K / 32K: 222.98 / 191.31 and 222.43 / 191.52 tok/s against 224.06 / 188.80 and 225.78 /
+192.27, alternating; ``benchmarks/results/beyond_hbm/session14/d/``), so the default stays XLA's.
 
 Glossary: N rows (B*T flattened), Dm the model width (hidden size), Dp its power-of-two padding.
 """

@@ -221,7 +221,10 @@ def split_layout(one: Layout, two: Layout | None, profile: Profile, *, batch: in
   ran 35.07 / 48.36 tok/s, two 4992-cell tiles split by the hybrid 57.25 / 58.63 (modeled 182 vs
   144 ms a step). Where the fewest-bytes layout already holds several tiles, finer tiles were
   slower than this model says (1M: 16K-cell tiles 5.05 / 6.55 tok/s against 7.68 / 7.83 with 22K,
-  beyond_hbm/session8/d/), so only the one-tile case is reconsidered."""
+  beyond_hbm/session8/d/); session 14 timed every CPU share of the same fills at the later
+  defaults and found finer tiles faster on one machine (1M: 16000-cell tiles 9.53 against 8.54)
+  and slower on the next (8.07 / 8.31 against 8.73, beyond_hbm/session14/), so only the one-tile
+  case is reconsidered."""
   if two is None:
     return one
 
