@@ -14,48 +14,31 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = os.path.join(HERE, "beyond_hbm")
 # (file, settings, rows to take: (config, context, batch, kv_dtype))
 PICK = [
-    ("session12/c/res_c.json", "shipped defaults of session 12: the split merge in a second "
-     "Pallas kernel, the queries packed in the kernel, and the resident cache's length passed "
-     "as kv_fill, so the key bounds come from q_pos alone (one small fusion, no reduction over "
-     "k_pos); a call is 3 kernels where session 11 had ~10 (Nsight Compute, session12/c/). "
-     "Each step waited for: 173.62 / 155.21 / 104.81. Session 12 part a, one machine, "
-     "alternating with session 11's code (out/base = 6a8c4c5) over two rounds, with an earlier "
-     "form that derived the bounds inside the kernel (5% slower kernel at 128K, 152 registers "
-     "against 128, session12/b/): 221.07 / 192.51 / 123.68 and 220.86 / 192.95 / 124.06 "
-     "against 217.98 / 183.93 / 120.67 and 214.93 / 182.60 / 120.70",
-     [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072)]),
-    ("session11/a/res512.json", "shipped defaults of session 11 (command buffers with custom "
-     "calls, the donated step I/O; the tree split merge, queries packed by XLA, k_pos reduced "
-     "for the key bounds); each step waited for in the same run: 46.26. Not rerun at session "
-     "12's code; session 12 part a ran its earlier form (bounds derived in the kernel) against "
-     "session 11's code on one machine: 51.44 against 51.83. Session 8's defaults (no command "
-     "buffers): 50.41 (session8/a/res.json)",
-     [("rkv_resident", 524288, 1, "bfloat16")]),
-    ("session12/b/half128.json", "shipped defaults of session 12 (the offloaded layers' window "
-     "partials pack the queries in the kernel; their k_pos reduction stays: the window is not "
-     "filled from index 0); each step waited for: 8.25. Session 11 (on another machine): 8.42 "
-     "(session11/a/half128_on.json); command buffers off / on, alternating over two runs: "
-     "8.69 / 8.43 (session10/e/), 7.76 / 8.42 (session11/a/). Session 8 (off): 8.55",
+    ("session15/c/res.json", "shipped defaults at 49bf2c4 (session 15: the decode split floor "
+     "256 keys, session 14's A/B in session14/splitfloor/; the split merge kernel, the queries "
+     "packed in the kernel, kv_fill). Each step waited for: 184.96 / 155.88 / 105.48 / 47.34. "
+     "Session 12 (512-key floor): 221.55 / 190.56 / 124.42 (session12/c/res_c.json); 512K "
+     "51.67 in session 11 (session11/a/res512.json)",
+     [("rkv_resident", c, 1, "bfloat16") for c in (2048, 32768, 131072, 524288)]),
+    ("session15/c/half128.json", "shipped defaults at 49bf2c4; each step waited for: 8.68. On "
+     "the same machine minutes earlier: 8.81 and 8.81 (session15/b/half128_base_*.json); "
+     "session 14: 8.40 and 8.72 on two machines; session 12: 8.04",
      [("rkv_offload", 131072, 1, "bfloat16")]),
-    ("session12/c/1m_new.json", "shipped defaults of session 12; each step waited for: 8.12. "
-     "On the same machine, alternating with session 11's code (out/base = 6a8c4c5): this tree "
-     "8.24 and 8.20 (session12/d/1m_new2.json), session 11's 8.41 (session12/c/1m_base.json) "
-     "and 8.18 (session12/d/1m_base2.json). On part b's machine the same code ran 7.12 "
-     "(session12/b/1m.json). Session 11: 8.41 (session11/a/1m.json); session 7's ten runs on "
-     "four machines: 4.23-8.63, median 8.12",
+    ("session15/c/1m.json", "shipped defaults at 49bf2c4; each step waited for: 8.50. On the "
+     "same machine minutes earlier: 8.55 and 8.77 (session15/b/1m_base_*.json); session 14: "
+     "8.54 and 8.73 on two machines (session14/a/, c/); session 12: 8.24; session 7's ten runs "
+     "on four machines: 4.23-8.63, median 8.12",
      [("rkv_offload", 1048576, 1, "bfloat16")]),
-    ("session8/b/half512.json", "session 8's defaults (command buffers off; not rerun since); "
-     "each step waited for: 3.06; 2.69 in session 7",
+    ("session15/c/half512.json", "shipped defaults at 49bf2c4; each step waited for: 3.39. "
+     "Session 8 (command buffers off): 3.07",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session12/b/2m_int8.json", "shipped defaults of session 12, the profile's fallback int8 "
-     "share 0.52; the bound uses the int8 rate. Each step waited for: 4.82. Session 11's three "
-     "runs with command buffers on: 4.22 (session11/b/), 5.04 (session11/d/), 5.31 "
-     "(session11/e/); off: 5.26, 5.36. Session 8 (off): 5.41",
+    ("session15/c/2m_int8.json", "shipped defaults at 49bf2c4, planned with the profile's "
+     "fallback int8 share 0.52; the bound uses the int8 rate. Each step waited for: 5.68. "
+     "Session 14: 6.02 and 5.92 on two machines; session 12: 5.19",
      [("rkv_offload", 2097152, 1, "int8")]),
-    ("session12/b/b8.json", "shipped defaults of session 12 (the ninth session's planner: the "
-     "one-tile tail laid out as two 4992-cell tiles, hybrid); each step waited for: 56.29. "
-     "Session 11: 57.61 (session11/b/b8.json); session 9 (command buffers off): 57.14 / 55.72 "
-     "(session9/b/b8_plan_1/2.json); the eighth session's plan (one 8960-cell tile, cpu) 44.57",
+    ("session15/c/b8.json", "shipped defaults at 49bf2c4 (the one-tile tail laid out as two "
+     "tiles, hybrid); each step waited for: 57.64. Session 14: 59.80 / 60.95 (session14/c/); "
+     "session 12: 56.27; the eighth session's plan (one 8960-cell tile, cpu) 44.57",
      [("rkv_offload", 131072, 8, "bfloat16")]),
 ]
 # The rows' bounds use the profile their plan was made with (profile_h200_v3.json, probed with the
