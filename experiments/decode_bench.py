@@ -90,6 +90,10 @@ _SPLIT = flags.DEFINE_list("split_cpu_tiles", [], "rkv_offload rows: after the p
                            "time the same caches with every hybrid layer's CPU share set to each "
                            "of these tile counts, alternating with the plan (e.g. 1,2).")
 _ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles.", lower_bound=1)
+_EMBEDDING = flags.DEFINE_enum("embedding", "auto", list(decode_bench.EMBEDDINGS),
+                               "Where the rkv rows keep the input embedding table: host RAM "
+                               "(rkv.models.embedding_to_host) or the device; auto: host for "
+                               "rkv_offload rows with --budget=auto and an untied table.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
 _APPEND = flags.DEFINE_bool("append", False, "Add this run's rows to those already in --out.")
 _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",
@@ -118,7 +122,8 @@ def main(argv):
       offload_mode=_MODE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       margin_gib=_MARGIN.value, device_memory_gib=_DEVMEM.value, hf_device=_HF_DEVICE.value,
       impl=_IMPL.value, schedule=_SCHEDULE.value, profile_path=_PROFILE.value,
-      split_cpu_tiles=tuple(int(x) for x in _SPLIT.value), sweep_rounds=_ROUNDS.value)
+      split_cpu_tiles=tuple(int(x) for x in _SPLIT.value), sweep_rounds=_ROUNDS.value,
+      embedding=_EMBEDDING.value)
   decode_bench.main(cfg, _OUT.value, _PLOT.value or None, append=_APPEND.value)
 
 

@@ -128,6 +128,10 @@ FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
 ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # = rkv.tactics.ROLLING (tests compare; no rkv import)
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
 INT8_SCALE_BYTES = 2 * 4  # float32 k and v scale per (token, KV head)
+# Where the rkv rows keep the input embedding table (rkv.models.embedding_to_host): "auto" puts
+# an untied one in host RAM when every row is rkv_offload with budget="auto" (the window then
+# takes the GiB it frees), else leaves it on the device.
+EMBEDDINGS = ("auto", "device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +175,7 @@ class BenchConfig:
   # (:func:`split_sweep`): what a finer or coarser PCIe/CPU split does, on one fill.
   split_cpu_tiles: tuple[int, ...] = ()
   sweep_rounds: int = 2
+  embedding: str = "auto"  # EMBEDDINGS
 
   def __post_init__(self):
     where = "BenchConfig"
@@ -207,11 +212,21 @@ class BenchConfig:
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.split_cpu_tiles):
       raise ValueError(f"{where}: split_cpu_tiles must be non-negative ints (CPU tiles a "
                        f"layer), got {self.split_cpu_tiles!r}")
+    if self.embedding not in EMBEDDINGS:
+      raise ValueError(f"{where}: embedding must be one of {EMBEDDINGS}, got "
+                       f"{self.embedding!r}")
     if not isinstance(self.sweep_rounds, int) or self.sweep_rounds < 1:
       raise ValueError(f"{where}: sweep_rounds must be a positive int, got {self.sweep_rounds!r}")
     if any(int(c) <= self.decode_steps for c in self.contexts):
       raise ValueError(f"{where}: every context must exceed the {self.decode_steps} decode "
                        f"steps (warm-up + timed), got {self.contexts}")
+
+  def embedding_on_host(self, mc) -> bool:
+    """Whether the rkv rows keep ``mc``'s input embedding in host RAM (:data:`EMBEDDINGS`)."""
+    if self.embedding == "auto":
+      return (not mc.tie_embeddings and self.budget == "auto"
+              and all(c == "rkv_offload" for c in self.configs if c.startswith("rkv_")))
+    return self.embedding == "host"
 
   def steps_for(self, name: str) -> tuple[int, int]:
     if name in ("rkv_offload", "hf_offloaded"):
@@ -904,7 +919,7 @@ def run_rkv(cfg: BenchConfig, log=print,
   backend reports none."""
   import jax
   from flax import nnx
-  from rkv.models import Transformer, jit_forward
+  from rkv.models import Transformer, embedding_to_host, jit_forward
   mc = model_config(cfg)
   names = [c for c in cfg.configs if c.startswith("rkv_")]
   if not names:
@@ -917,6 +932,11 @@ def run_rkv(cfg: BenchConfig, log=print,
   jax.block_until_ready(nnx.state(model))
   log(f"rkv: {mc.name} random init {time.perf_counter() - t0:.1f} s "
       f"({weight_bytes(mc) / GIB:.1f} GiB weights)")
+  embedding = "host" if cfg.embedding_on_host(mc) else "device"
+  if embedding == "host":  # before any step function snapshots the parameters
+    embedding_to_host(model)
+    log(f"rkv: the input embedding table in host RAM "
+        f"({mc.vocab_size * mc.hidden_size * np.dtype(mc.dtype).itemsize / GIB:.2f} GiB)")
   forward = jit_forward(model, last_only=True)
   if "rkv_offload" in names:
     warm_layered_programs(model, mc, cfg, log)
@@ -929,7 +949,7 @@ def run_rkv(cfg: BenchConfig, log=print,
           config=name, context=ctx, capacity=cap, fill=cfg.fill(ctx), batch=cfg.batch,
           kv_dtype=cfg.kv_dtype_name, budget=cfg.budget if name == "rkv_offload" else None,
           kv_gib=kv_bytes(mc, cap, cfg.batch, cfg.kv_dtype_name) / GIB, tokens_per_s=None,
-          bound_tokens_per_s=None)
+          bound_tokens_per_s=None, embedding=embedding)
       rows.append(row)
       try:
         _fill_row(cfg, mc, model, forward, name, ctx, row, memory_stats, limit, log)
