@@ -1,0 +1,31 @@
+# Session 16 on the H200: the input embedding table in host RAM (rkv.models.embedding_to_host,
+# decode_bench --embedding). Each part is one device call (10 minutes at most):
+#   bash benchmarks/session16_h200.sh a   # GPU tests of HostEmbed; 1M device vs host vs host
+#                                         # with 20480-cell tiles (3 a layer instead of 2)
+#   bash benchmarks/session16_h200.sh b   # B=8 x 128K and 2M int8, device vs host
+# Results: benchmarks/results/beyond_hbm/session16/{a,b}/.
+D=/tmp/s16 NAME=s16 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+case "$PART" in
+  a)
+    echo "== pytest host_embed $(date +%T)"
+    timeout 120 python3 -m pytest -q tests/host_embed_test.py -p no:cacheprovider \
+      > $D/pytest_host_embed.txt 2>&1
+    tail -1 $D/pytest_host_embed.txt; pack
+    T=110 run 1m_dev --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=device
+    T=110 run 1m_host --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=host
+    T=110 run 1m_host_t20k --configs=rkv_offload --budget=auto --contexts=1048576 \
+      --embedding=host --tile_cells=20480
+    ;;
+  b)
+    T=110 run b8_host --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
+      --embedding=host
+    T=110 run b8_dev --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
+      --embedding=device
+    T=150 run 2m_int8_dev --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --embedding=device
+    T=150 run 2m_int8_host --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --embedding=host
+    ;;
+esac
+echo "== done $(date +%T)"
