@@ -3,6 +3,9 @@
 #   bash benchmarks/session16_h200.sh a   # GPU tests of HostEmbed; 1M device vs host vs host
 #                                         # with 20480-cell tiles (3 a layer instead of 2)
 #   bash benchmarks/session16_h200.sh b   # B=8 x 128K and 2M int8, device vs host
+#   bash benchmarks/session16_h200.sh c   # part a's 1M rows again on another machine, device
+#                                         # first and last (a's machine ran 7.04 tok/s device,
+#                                         # its steps waited for 4.65: far slower than before)
 # Results: benchmarks/results/beyond_hbm/session16/{a,b}/.
 D=/tmp/s16 NAME=s16 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
@@ -26,6 +29,13 @@ case "$PART" in
       --kv_dtype=int8 --embedding=device
     T=150 run 2m_int8_host --configs=rkv_offload --budget=auto --contexts=2097152 \
       --kv_dtype=int8 --embedding=host
+    ;;
+  c)
+    T=110 run 1m_dev --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=device
+    T=110 run 1m_host --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=host
+    T=110 run 1m_host_t20k --configs=rkv_offload --budget=auto --contexts=1048576 \
+      --embedding=host --tile_cells=20480
+    T=110 run 1m_dev2 --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=device
     ;;
 esac
 echo "== done $(date +%T)"
