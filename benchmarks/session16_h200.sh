@@ -37,5 +37,12 @@ case "$PART" in
       --embedding=host --tile_cells=20480
     T=110 run 1m_dev2 --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=device
     ;;
+  d)
+    { uptime; nproc; lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread|NUMA"; \
+      top -bn1 | head -25; } > $D/host_load.txt 2>&1
+    head -12 $D/host_load.txt; pack
+    T=170 trace 1m --configs=beyond:1048576 --warmup=2 --steps=4 --trace_steps=2
+    { uptime; top -bn1 | head -12; } > $D/host_load_after.txt 2>&1; pack
+    ;;
 esac
 echo "== done $(date +%T)"
