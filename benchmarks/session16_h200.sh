@@ -44,5 +44,14 @@ case "$PART" in
     T=170 trace 1m --configs=beyond:1048576 --warmup=2 --steps=4 --trace_steps=2
     { uptime; top -bn1 | head -12; } > $D/host_load_after.txt 2>&1; pack
     ;;
+  e)
+    { uptime; lscpu | grep -E "Model name|MHz"; } > $D/host_e.txt 2>&1
+    T=140 run 1m_v3 --configs=rkv_offload --budget=auto --contexts=1048576 --split_cpu_tiles=0
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 230 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -2; pack
+    [ -f $D/profile_probe.json ] && P=$D/profile_probe.json T=110 run 1m_probed \
+      --configs=rkv_offload --budget=auto --contexts=1048576
+    ;;
 esac
 echo "== done $(date +%T)"
