@@ -53,5 +53,19 @@ case "$PART" in
     [ -f $D/profile_probe.json ] && P=$D/profile_probe.json T=110 run 1m_probed \
       --configs=rkv_offload --budget=auto --contexts=1048576
     ;;
+  f)
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -1; pack
+    if [ -f $D/profile_probe.json ]; then
+      export P=$D/profile_probe.json
+      T=110 run 1m_dev --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=device
+      T=110 run 1m_host --configs=rkv_offload --budget=auto --contexts=1048576 --embedding=host
+      T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
+        --embedding=device
+      T=150 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+        --embedding=device
+    fi
+    ;;
 esac
 echo "== done $(date +%T)"
