@@ -90,10 +90,9 @@ _SPLIT = flags.DEFINE_list("split_cpu_tiles", [], "rkv_offload rows: after the p
                            "time the same caches with every hybrid layer's CPU share set to each "
                            "of these tile counts, alternating with the plan (e.g. 1,2).")
 _ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles.", lower_bound=1)
-_EMBEDDING = flags.DEFINE_enum("embedding", "auto", list(decode_bench.EMBEDDINGS),
-                               "Where the rkv rows keep the input embedding table: host RAM "
-                               "(rkv.models.embedding_to_host) or the device; auto: host for "
-                               "rkv_offload rows with --budget=auto and an untied table.")
+_EMBEDDING = flags.DEFINE_enum("embedding", "device", list(decode_bench.EMBEDDINGS),
+                               "Where the rkv rows keep the input embedding table: the device, "
+                               "or host RAM (rkv.models.embedding_to_host; untied tables only).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_bench_h200.json", "JSON output.")
 _APPEND = flags.DEFINE_bool("append", False, "Add this run's rows to those already in --out.")
 _PLOT = flags.DEFINE_string("plot", "benchmarks/results/decode_bench_h200.png",

@@ -128,10 +128,10 @@ FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
 ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # = rkv.tactics.ROLLING (tests compare; no rkv import)
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
 INT8_SCALE_BYTES = 2 * 4  # float32 k and v scale per (token, KV head)
-# Where the rkv rows keep the input embedding table (rkv.models.embedding_to_host): "auto" puts
-# an untied one in host RAM when every row is rkv_offload with budget="auto" (the window then
-# takes the GiB it frees), else leaves it on the device.
-EMBEDDINGS = ("auto", "device", "host")
+# Where the rkv rows keep the input embedding table: on the device, or an untied one in host RAM
+# (rkv.models.embedding_to_host: a GiB more window for Llama-3-8B). Measured both ways in
+# session 16 (benchmarks/results/beyond_hbm/session16/): no consistent gain, so "device".
+EMBEDDINGS = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ class BenchConfig:
   # (:func:`split_sweep`): what a finer or coarser PCIe/CPU split does, on one fill.
   split_cpu_tiles: tuple[int, ...] = ()
   sweep_rounds: int = 2
-  embedding: str = "auto"  # EMBEDDINGS
+  embedding: str = "device"  # EMBEDDINGS
 
   def __post_init__(self):
     where = "BenchConfig"
@@ -220,13 +220,6 @@ class BenchConfig:
     if any(int(c) <= self.decode_steps for c in self.contexts):
       raise ValueError(f"{where}: every context must exceed the {self.decode_steps} decode "
                        f"steps (warm-up + timed), got {self.contexts}")
-
-  def embedding_on_host(self, mc) -> bool:
-    """Whether the rkv rows keep ``mc``'s input embedding in host RAM (:data:`EMBEDDINGS`)."""
-    if self.embedding == "auto":
-      return (not mc.tie_embeddings and self.budget == "auto"
-              and all(c == "rkv_offload" for c in self.configs if c.startswith("rkv_")))
-    return self.embedding == "host"
 
   def steps_for(self, name: str) -> tuple[int, int]:
     if name in ("rkv_offload", "hf_offloaded"):
@@ -932,7 +925,7 @@ def run_rkv(cfg: BenchConfig, log=print,
   jax.block_until_ready(nnx.state(model))
   log(f"rkv: {mc.name} random init {time.perf_counter() - t0:.1f} s "
       f"({weight_bytes(mc) / GIB:.1f} GiB weights)")
-  embedding = "host" if cfg.embedding_on_host(mc) else "device"
+  embedding = cfg.embedding
   if embedding == "host":  # before any step function snapshots the parameters
     embedding_to_host(model)
     log(f"rkv: the input embedding table in host RAM "
