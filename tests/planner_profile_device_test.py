@@ -35,3 +35,20 @@ def test_plan_logs_its_profile(caplog):
       warnings.simplefilter("ignore")  # on CPU the default H200 profile warns (tested above)
       rkv.plan(cfg, 512, 1, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
   assert any("profile H200_DEFAULT" in r.getMessage() for r in caplog.records)
+
+
+def test_host_kernel_split_on_the_builtin_profile_warns_once_on_a_gpu(monkeypatch):
+  monkeypatch.setattr(placement, "_BUILTIN_PROFILE_WARNED", [])
+  prof = rkv.residency.H200_DEFAULT
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    # no warning: another backend, no host-kernel layer, or a probed profile
+    assert not placement.check_builtin_profile(prof, ("hybrid",), platform="cpu")
+    assert not placement.check_builtin_profile(prof, ("resident", "stream"), platform="gpu")
+    probed = dataclasses.replace(prof, source="rkv.probe on gpu (NVIDIA H200)")
+    assert not placement.check_builtin_profile(probed, ("cpu",), platform="gpu")
+  with pytest.warns(UserWarning, match="run `rkv calibrate`"):
+    assert placement.check_builtin_profile(prof, ("resident", "hybrid"), platform="gpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert not placement.check_builtin_profile(prof, ("hybrid",), platform="gpu")  # once

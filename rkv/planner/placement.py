@@ -260,6 +260,37 @@ def check_profile_device(profile, device_kind: str | None = None) -> bool:
   return False
 
 
+# Once per process (a notebook plans many times): see check_builtin_profile.
+_BUILTIN_PROFILE_WARNED = []
+
+
+def check_builtin_profile(profile, tactics_used, platform: str | None = None) -> bool:
+  """Warns (once per process) when a plan for a GPU sends KV to the host CPU kernel on the
+  built-in :data:`~rkv.planner.profile.H200_DEFAULT` rather than a probe of this machine: the
+  split between PCIe and the host's cores rests on that profile's CPU figures, and hosts with the
+  same GPU differ. Measured (docs/DESIGN.md §7, session 16): a host whose own probe read 63-70 GB/s
+  and paid 3.3-4.5 ms a kernel call (the built-in profile: 89 GB/s, 2.2 ms) ran the 1M row at
+  4.31 tok/s planned hybrid on the built-in figures and 6.57 planned stream on its own.
+  ``platform``: the backend planned for (default: device 0's). Returns whether it warned."""
+  from rkv.planner.profile import H200_DEFAULT
+  if profile.source != H200_DEFAULT.source or _BUILTIN_PROFILE_WARNED:
+    return False
+  if not any(t in CPU_KERNEL_TACTICS for t in tactics_used):
+    return False
+  if platform is None:
+    import jax
+    platform = jax.devices()[0].platform
+  if platform != "gpu":
+    return False
+  _BUILTIN_PROFILE_WARNED.append(True)
+  warnings.warn("plan: the cpu/hybrid layers are split on the built-in H200_DEFAULT profile's "
+                "host figures, not this machine's; hosts differ (one measured 1.5x slower at 1M "
+                "tokens as planned so, docs/DESIGN.md §7): run `rkv calibrate` once (a ~20 s "
+                "probe, written to ~/.cache/rkv/profile.json, which plans then read)",
+                stacklevel=4)
+  return True
+
+
 def plan(model_config, context_len: int, batch: int = 1, *,
          residency: ResidencyConfig | None = None, memory_stats: Mapping | None = None) -> Plan:
   """Places every layer's KV cache within the budget and names its tactic (module docstring).
@@ -324,6 +355,8 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
     # The one line a plan logs at INFO; the figures behind it are DEBUG (and in the table).
     log.info("%s", result.summary())
+    if cfg.check_free:  # a plan for this machine (check_free=False: for another one)
+      check_builtin_profile(profile, result.tactics())
     if cfg.check_free:
       if explicit and has_stats:
         check_device_fit(result, cfg, stats, resolve_reserve(cfg, shape, batch, model_config,
