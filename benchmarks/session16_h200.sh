@@ -67,5 +67,14 @@ case "$PART" in
         --embedding=device
     fi
     ;;
+  g)
+    { uptime; lscpu | grep -E "Model name|MHz"; } > $D/host_g.txt 2>&1
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -1; pack
+    T=110 run 1m_v3 --configs=rkv_offload --budget=auto --contexts=1048576
+    [ -f $D/profile_probe.json ] && P=$D/profile_probe.json T=110 run 1m_probed \
+      --configs=rkv_offload --budget=auto --contexts=1048576
+    ;;
 esac
 echo "== done $(date +%T)"
