@@ -1,12 +1,24 @@
 # Session 16 on the H200: the input embedding table in host RAM (rkv.models.embedding_to_host,
-# decode_bench --embedding). Each part is one device call (10 minutes at most):
+# decode_bench --embedding), and why today's machines ran the offloaded rows slower. Each part is
+# one device call (10 minutes at most); a, b, c-f and g ran on three machines (c-f on one):
 #   bash benchmarks/session16_h200.sh a   # GPU tests of HostEmbed; 1M device vs host vs host
 #                                         # with 20480-cell tiles (3 a layer instead of 2)
 #   bash benchmarks/session16_h200.sh b   # B=8 x 128K and 2M int8, device vs host
 #   bash benchmarks/session16_h200.sh c   # part a's 1M rows again on another machine, device
 #                                         # first and last (a's machine ran 7.04 tok/s device,
 #                                         # its steps waited for 4.65: far slower than before)
-# Results: benchmarks/results/beyond_hbm/session16/{a,b}/.
+#   bash benchmarks/session16_h200.sh d   # that machine's load and CPU, then a traced 1M step
+#   bash benchmarks/session16_h200.sh e   # 1M planned with the shipped v3 profile (and every
+#                                         # layer's CPU share 0, alternating, on the same fill),
+#                                         # a probe of this machine, 1M planned with the probe's
+#                                         # profile. Note: a-e ran with decode_bench's
+#                                         # --embedding=auto of then (host RAM for these rows
+#                                         # unless --embedding=device); the default is now device
+#   bash benchmarks/session16_h200.sh f   # a probe, then 1M (embedding on the device, then on
+#                                         # the host), B=8 x 128K and 2M int8 planned with it
+#   bash benchmarks/session16_h200.sh g   # on a fresh machine: a probe, then 1M planned with
+#                                         # the shipped v3 profile and with the probe's
+# Results: benchmarks/results/beyond_hbm/session16/{a..g}/.
 D=/tmp/s16 NAME=s16 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
