@@ -247,6 +247,16 @@ def test_int8_rows_with_a_tail():
              if r["config"] == "rkv_resident")
 
 
+def test_rows_with_the_embedding_in_host_ram():
+  cfg = decode_bench.BenchConfig(configs=("rkv_resident", "rkv_offload"), embedding="host",
+                                 **TINY)
+  rows = decode_bench.run_rkv(cfg, log=lambda m: None)
+  assert [r["config"] for r in rows] == ["rkv_resident", "rkv_offload"]
+  for r in rows:
+    assert r.get("tokens_per_s", 0) > 0 and r["embedding"] == "host", r
+  assert decode_bench.BenchConfig(**TINY).embedding == "device"
+
+
 def test_batch2_rows():
   cfg = decode_bench.BenchConfig(configs=("rkv_resident", "rkv_offload"), batch=2, **TINY)
   rows = decode_bench.run_rkv(cfg, log=lambda m: None)
@@ -307,6 +317,8 @@ def test_config_checks_and_hf_skip_for_int8():
     decode_bench.BenchConfig(budget="auto", offload_mode="force")
   with pytest.raises(ValueError, match="kv_dtype"):
     decode_bench.BenchConfig(kv_dtype="int4")
+  with pytest.raises(ValueError, match="embedding"):
+    decode_bench.BenchConfig(embedding="auto")
   cfg = decode_bench.BenchConfig(configs=("hf_static",), kv_dtype="int8", **TINY)
   assert cfg.kv_dtype_name == "int8"
   assert decode_bench.BenchConfig(**TINY).kv_dtype_name == "float32"
