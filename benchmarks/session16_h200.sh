@@ -18,7 +18,10 @@
 #                                         # the host), B=8 x 128K and 2M int8 planned with it
 #   bash benchmarks/session16_h200.sh g   # on a fresh machine: a probe, then 1M planned with
 #                                         # the shipped v3 profile and with the probe's
-# Results: benchmarks/results/beyond_hbm/session16/{a..g}/.
+#   part h (run as one command, not through this script): the GPU-only tests at this
+#   session's code: timeout 280 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider
+#   (33 passed in 159.4 s, h/pytest_gpu.txt)
+# Results: benchmarks/results/beyond_hbm/session16/{a..h}/.
 D=/tmp/s16 NAME=s16 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 case "$PART" in
