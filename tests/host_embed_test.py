@@ -100,6 +100,11 @@ def test_bad_inputs_name_the_problem():
     models.embedding_to_host(object())
   with pytest.raises(ValueError, match=r"\[vocab, features\]"):
     models.HostEmbed(np.zeros(4))
+  from rkv import parallel
+  untied = models.embedding_to_host(models.Transformer(
+      models.ModelConfig.preset("tiny-llama", dtype="float32"), rngs=nnx.Rngs(0), impl="xla"))
+  with pytest.raises(ValueError, match="shard the model before moving it"):
+    parallel.shard_model(untied, parallel.make_mesh(1, 1, devices=jax.devices()[:1]))
 
 
 def test_the_device_table_is_freed():

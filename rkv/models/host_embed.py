@@ -63,7 +63,8 @@ class HostEmbed(nnx.Module):
   """``tokens [B,T]`` -> ``[B,T,features]`` from a table in host RAM (module docstring).
 
   Takes the place of ``nnx.Embed`` as ``Transformer.embed`` (:func:`embedding_to_host`); it has
-  no ``attend`` (a tied table stays on the device)."""
+  no ``attend`` (a tied table stays on the device). Inference only: the lookup has no gradient,
+  and ``rkv.parallel.shard_model`` refuses a model that holds one."""
 
   def __init__(self, table: np.ndarray):
     table = np.asarray(table)

@@ -132,6 +132,13 @@ def shard_model(model: Transformer, mesh, *, impl: str | None = None) -> Sharded
     raise ValueError(f"{where}: model must be an rkv.models Transformer, got "
                      f"{type(model).__name__}")
   mesh_lib.check_mesh(mesh, where)
+  from rkv.models.host_embed import HostEmbed
+  if isinstance(model.embed, HostEmbed):
+    # Its lookup is a host callback of one device's program; the sharded forward was not
+    # built or tested for it, so it is refused rather than left to fail inside a program.
+    raise ValueError(f"{where}: the model's input embedding is in host RAM "
+                     f"(rkv.models.embedding_to_host): shard the model before moving it, or "
+                     f"keep it on the device")
   cfg = model.config
   check_shardable(cfg, mesh, where)
   impl = model.impl if impl is None else impl
