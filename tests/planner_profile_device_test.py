@@ -47,6 +47,8 @@ def test_host_kernel_split_on_the_builtin_profile_warns_once_on_a_gpu(monkeypatc
     assert not placement.check_builtin_profile(prof, ("resident", "stream"), platform="gpu")
     probed = dataclasses.replace(prof, source="rkv.probe on gpu (NVIDIA H200)")
     assert not placement.check_builtin_profile(probed, ("cpu",), platform="gpu")
+    overridden = prof.replace(cpu_attn_gbps=40.0)  # ResidencyConfig(cpu_attn_gbps=40)
+    assert not placement.check_builtin_profile(overridden, ("cpu",), platform="gpu")
   with pytest.warns(UserWarning, match="run `rkv calibrate`"):
     assert placement.check_builtin_profile(prof, ("resident", "hybrid"), platform="gpu")
   with warnings.catch_warnings():

@@ -262,19 +262,24 @@ def check_profile_device(profile, device_kind: str | None = None) -> bool:
 
 # Once per process (a notebook plans many times): see check_builtin_profile.
 _BUILTIN_PROFILE_WARNED = []
+# The figures that place KV between PCIe and the host's cores.
+_HOST_FIGURES = ("cpu_attn_gbps", "cpu_overhead_us", "host_read_gbps", "hybrid_pcie_gbps",
+                 "hybrid_cpu_gbps", "cpu_int8_share")
 
 
 def check_builtin_profile(profile, tactics_used, platform: str | None = None) -> bool:
   """Warns (once per process) when a plan for a GPU sends KV to the host CPU kernel on the
-  built-in :data:`~rkv.planner.profile.H200_DEFAULT` rather than a probe of this machine: the
-  split between PCIe and the host's cores rests on that profile's CPU figures, and hosts with the
-  same GPU differ. Measured (docs/DESIGN.md §7, session 16): a host whose own probe read 63-70 GB/s
+  built-in :data:`~rkv.planner.profile.H200_DEFAULT` (its host figures not overridden) rather
+  than a probe of this machine: the split between PCIe and the host's cores rests on that
+  profile's CPU figures, and hosts with the same GPU differ. Measured (docs/DESIGN.md §7, session 16): a host whose own probe read 63-70 GB/s
   and paid 3.3-4.5 ms a kernel call (the built-in profile: 89 GB/s, 2.2 ms) ran the 1M row at
   4.31 tok/s planned hybrid on the built-in figures and 6.57 planned stream on its own.
   ``platform``: the backend planned for (default: device 0's). Returns whether it warned."""
   from rkv.planner.profile import H200_DEFAULT
   if profile.source != H200_DEFAULT.source or _BUILTIN_PROFILE_WARNED:
     return False
+  if any(getattr(profile, f) != getattr(H200_DEFAULT, f) for f in _HOST_FIGURES):
+    return False  # the caller set the host side's figures (ResidencyConfig overrides)
   if not any(t in CPU_KERNEL_TACTICS for t in tactics_used):
     return False
   if platform is None:
