@@ -43,6 +43,10 @@ layer of ``rkv_resident``) is a RollingKV whose window is the whole capacity (no
 rkv.rolling_attention's resident path, run eagerly per layer, not as one jitted step). The
 transformers rows are skipped for int8 (their caches hold the model dtype).
 
+``embedding="host"`` keeps an untied input embedding table in host RAM for the rkv rows
+(:func:`rkv.models.embedding_to_host`: a budget="auto" window gets that GiB; each row records
+``embedding``); the default keeps it on the device (session 16 measured no consistent gain).
+
 ``batch`` > 1: every row's positions run ``0..fill-1`` in each batch row (unpadded, like
 :func:`rkv.generate.generate`); tokens/s counts all rows.
 
