@@ -272,7 +272,7 @@ def check_builtin_profile(profile, tactics_used, platform: str | None = None) ->
   built-in :data:`~rkv.planner.profile.H200_DEFAULT` (its host figures not overridden) rather
   than a probe of this machine: the split between PCIe and the host's cores rests on that
   profile's CPU figures, and hosts with the same GPU differ. Measured (docs/DESIGN.md §7, session 16): a host whose own probe read 63-70 GB/s
-  and paid 3.3-4.5 ms a kernel call (the built-in profile: 89 GB/s, 2.2 ms) ran the 1M row at
+  and paid 3.3-4.5 ms a kernel call (the built-in profile: 97 GB/s, 2.2 ms) ran the 1M row at
   4.31 tok/s planned hybrid on the built-in figures and 6.57 planned stream on its own.
   ``platform``: the backend planned for (default: device 0's). Returns whether it warned."""
   from rkv.planner.profile import H200_DEFAULT
