@@ -1,6 +1,7 @@
 """Flax NNX decoder-only transformers (Llama-3, Qwen2, Qwen3, Mistral, Gemma-2, Gemma-3), HF
-checkpoint loading (a folder or a hub id in the local HF cache), GGUF files (``load_gguf``: model and tokenizer), an untied input embedding in host RAM
-(``embedding_to_host``). See :mod:`rkv.models.transformer` for how one block covers every family."""
+checkpoint loading (a folder or a hub id in the local HF cache), GGUF files (``load_gguf``: model
+and tokenizer), an untied input embedding in host RAM (``embedding_to_host``). See
+:mod:`rkv.models.transformer` for how one block covers every family."""
 
 from rkv.models import kv
 from rkv.models.config import PRESETS, ModelConfig, RopeConfig
