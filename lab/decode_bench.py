@@ -932,8 +932,7 @@ def run_rkv(cfg: BenchConfig, log=print,
   embedding = cfg.embedding
   if embedding == "host":  # before any step function snapshots the parameters
     embedding_to_host(model)
-    log(f"rkv: the input embedding table in host RAM "
-        f"({mc.vocab_size * mc.hidden_size * np.dtype(mc.dtype).itemsize / GIB:.2f} GiB)")
+    log(f"rkv: the input embedding table in host RAM ({model.embed.nbytes / GIB:.2f} GiB)")
   forward = jit_forward(model, last_only=True)
   if "rkv_offload" in names:
     warm_layered_programs(model, mc, cfg, log)

@@ -1,8 +1,8 @@
 """The input embedding table in host RAM: :class:`HostEmbed`, :func:`embedding_to_host`.
 
 Why: when the KV cache does not fit on the device, every byte of device memory is window, and
-every GiB of window is a GiB less tail to move per token (~9 ms a token at 1M tokens on the H200,
-docs/DESIGN.md §6). An untied input embedding is such a GiB (Llama-3-8B: 128256 x 4096 bf16 =
+every GiB of window is a GiB less tail to move per token (1 GiB over PCIe and the host's cores
+together, ~119 GB/s on the H200, is ~9 ms a token; docs/DESIGN.md §6). An untied input embedding is such a GiB (Llama-3-8B: 128256 x 4096 bf16 =
 1.0 GiB) that a decode step reads one row of per token. llama.cpp keeps it on the host for the same
 reason. Kept here, each lookup gathers its ``[B,T]`` rows from a NumPy table and puts them on the
 device: ``B * T * hidden`` bytes (8 KiB a token), against the whole table on the device.

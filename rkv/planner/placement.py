@@ -271,9 +271,10 @@ def check_builtin_profile(profile, tactics_used, platform: str | None = None) ->
   """Warns (once per process) when a plan for a GPU sends KV to the host CPU kernel on the
   built-in :data:`~rkv.planner.profile.H200_DEFAULT` (its host figures not overridden) rather
   than a probe of this machine: the split between PCIe and the host's cores rests on that
-  profile's CPU figures, and hosts with the same GPU differ. Measured (docs/DESIGN.md §7, session 16): a host whose own probe read 63-70 GB/s
-  and paid 3.3-4.5 ms a kernel call (the built-in profile: 97 GB/s, 2.2 ms) ran the 1M row at
-  4.31 tok/s planned hybrid on the built-in figures and 6.57 planned stream on its own.
+  profile's CPU figures, and hosts with the same GPU differ. Measured (docs/DESIGN.md §7,
+  session 16): a host whose own probe read 63-70 GB/s and paid 3.3-4.5 ms a kernel call (the
+  built-in profile: 97 GB/s, 2.2 ms) ran the 1M row at 4.31 tok/s planned hybrid on the built-in
+  figures and 6.57 planned stream on its own.
   ``platform``: the backend planned for (default: device 0's). Returns whether it warned."""
   from rkv.planner.profile import H200_DEFAULT
   if profile.source != H200_DEFAULT.source or _BUILTIN_PROFILE_WARNED:
@@ -361,12 +362,11 @@ def plan(model_config, context_len: int, batch: int = 1, *,
     # The one line a plan logs at INFO; the figures behind it are DEBUG (and in the table).
     log.info("%s", result.summary())
     if cfg.check_free:  # a plan for this machine (check_free=False: for another one)
-      check_builtin_profile(profile, result.tactics())
-    if cfg.check_free:
       if explicit and has_stats:
         check_device_fit(result, cfg, stats, resolve_reserve(cfg, shape, batch, model_config,
                                                              context_len=context_len))
       memory.check_host_memory(result.host_bytes, where="plan", argument="context_len")
+      check_builtin_profile(profile, result.tactics())  # a plan that stands: is it this host's?
     return result
   q_itemsize = 4 if shape.kv_dtype == "float32" else 2
   copy_s = partial_copy_time(profile, batch=batch, num_heads=shape.query_heads,
