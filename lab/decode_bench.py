@@ -36,7 +36,8 @@ Configurations (rows):
   (every layer but the one computing lives on the CPU), so it moves the full KV each step.
 
 ``kv_dtype`` (default: the model dtype) may be ``int8``: the rkv caches are int8 RollingKVs
-(K/V int8, float32 scales per token and KV head, the tail's in ``pinned_host`` too), generated in
+(K/V int8, bfloat16 scales per token and KV head, float32 with ``$RKV_INT8_SCALE_DTYPE=float32``;
+the tail's in ``pinned_host`` too), generated in
 the model dtype on the device a tile at a time and quantized there (``rkv.cache.quantize_int8``).
 :class:`rkv.models.ResidentCache` holds no int8, so a layer the plan keeps resident (and every
 layer of ``rkv_resident``) is a RollingKV whose window is the whole capacity (no tail, no staging:
@@ -131,7 +132,24 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 FILLED_TACTICS = ("resident", "stream", "cpu", "hybrid")
 ROLLING_TACTICS = ("stream", "cpu", "hybrid")  # = rkv.tactics.ROLLING (tests compare; no rkv import)
 RATIOS = (("rkv_resident", "hf_static"), ("rkv_offload", "hf_offloaded"))
-INT8_SCALE_BYTES = 2 * 4  # float32 k and v scale per (token, KV head)
+# rkv.cache.SCALE_DTYPE_ENV, default_scale_dtype's itemsizes, spelled out (no jax here; the tests
+# compare): a k and a v scale per (token, KV head), bfloat16 unless $RKV_INT8_SCALE_DTYPE=float32.
+SCALE_DTYPE_ENV = "RKV_INT8_SCALE_DTYPE"
+SCALE_ITEMSIZES = {"bfloat16": 2, "float32": 4}
+DEFAULT_SCALE_DTYPE = "bfloat16"
+
+
+def int8_scale_dtype() -> str:
+  """The int8 scales' dtype this process's caches keep (rkv.cache.default_scale_dtype)."""
+  name = os.environ.get(SCALE_DTYPE_ENV) or DEFAULT_SCALE_DTYPE
+  if name not in SCALE_ITEMSIZES:
+    raise ValueError(f"${SCALE_DTYPE_ENV} must be one of {tuple(SCALE_ITEMSIZES)}, got {name!r}")
+  return name
+
+
+def int8_scale_bytes() -> int:
+  """Bytes of the k and v scale of one (token, KV head) of an int8 cache."""
+  return 2 * SCALE_ITEMSIZES[int8_scale_dtype()]
 # Where the rkv rows keep the input embedding table: on the device, or an untied one in host RAM
 # (rkv.models.embedding_to_host: a GiB more window for Llama-3-8B). Measured both ways in
 # session 16 (benchmarks/results/beyond_hbm/session16/): no consistent gain, so "device".
@@ -281,9 +299,9 @@ def model_config(cfg: BenchConfig):
 
 def kv_cell_bytes(mc, kv_dtype: str | None = None) -> int:
   """Bytes of one cell (token) of one layer and one batch row: K and V of every KV head, plus the
-  float32 scales of an int8 cache (``kv_dtype`` None: the model dtype)."""
+  scales of an int8 cache (``kv_dtype`` None: the model dtype)."""
   dt = _np_dtype(mc.dtype if kv_dtype is None else kv_dtype)
-  scales = INT8_SCALE_BYTES if dt == np.dtype(np.int8) else 0
+  scales = int8_scale_bytes() if dt == np.dtype(np.int8) else 0
   return mc.num_kv_heads * (2 * mc.head_dim * dt.itemsize + scales)
 
 
@@ -482,14 +500,15 @@ def _kernels():
   from rkv.cache import quantize_int8
 
   @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-  def generate(key, i, shape, dtype, int8):
+  def generate(key, i, shape, dtype, scale_dtype):
     """Random K and V ``shape`` of ``dtype`` from ``fold_in(key, i)``, int8-quantized on the
-    device with ``int8``: ``(k, v)`` or ``(k, v, k_scale, v_scale)``."""
+    device with scales of ``scale_dtype`` unless None: ``(k, v)`` or ``(k, v, k_scale,
+    v_scale)``."""
     kk, kv = jax.random.split(jax.random.fold_in(key, i))
     k, v = jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype)
-    if not int8:
+    if scale_dtype is None:
       return k, v
-    (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+    (k, ks), (v, vs) = quantize_int8(k, scale_dtype), quantize_int8(v, scale_dtype)
     return k, v, ks, vs
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -526,23 +545,24 @@ def _random_block(mc, batch, cells, lo, n, *, kv_dtype, chunk, keys):
   in the model dtype (quantized on the device for int8) and written in place into the block: one
   chunk is the only transient, whatever the block's size."""
   import jax.numpy as jnp
-  from rkv.cache import KVBlock
+  from rkv.cache import KVBlock, default_scale_dtype
   generate, write = _kernels()
   dt, kdt = jnp.dtype(mc.dtype), jnp.dtype(kv_dtype)
   int8 = kdt == jnp.dtype(jnp.int8)
+  sdt = default_scale_dtype() if int8 else None  # what RollingKV.empty and the planner take
   kh, d = mc.num_kv_heads, mc.head_dim
   c = min(int(chunk), cells)
   if n and c == cells:  # one chunk is the block
-    parts = generate(keys.key, keys.next(), (batch, cells, kh, d), dt, int8)
+    parts = generate(keys.key, keys.next(), (batch, cells, kh, d), dt, sdt)
   else:
     kv0 = lambda: jnp.zeros((batch, cells, kh, d), kdt)
-    scale0 = lambda: jnp.zeros((batch, cells, kh), jnp.float32)
+    scale0 = lambda: jnp.zeros((batch, cells, kh), sdt)
     parts = (kv0(), kv0()) + ((scale0(), scale0()) if int8 else ())
     offsets = range(0, n, c) if n else ()  # no data, no chunk (c is 0 for a 0-cell block)
     for off in offsets:
       # The last chunk ends at the block's end (one chunk shape, one compile); the cells it
       # writes past n are empty slots (position -1), never attended.
-      parts = write(parts, generate(keys.key, keys.next(), (batch, c, kh, d), dt, int8),
+      parts = write(parts, generate(keys.key, keys.next(), (batch, c, kh, d), dt, sdt),
                     np.int32(min(off, cells - c)))
   scales = parts[2:] if int8 else (None, None)
   return KVBlock(k=parts[0], v=parts[1], pos=_positions(batch, lo, lo + n, cells),
@@ -569,7 +589,7 @@ def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, 
   is resident. ``chunk_cells`` (default ``tile_cells``): the generated chunk of window and
   staging."""
   import jax
-  from rkv.cache import RollingKV, _tail_bytes, _tail_layout, _untile
+  from rkv.cache import RollingKV, _tail_bytes, _tail_layout, _untile, default_scale_dtype
   from rkv.offload import memory
   w, tile = int(window_cells), int(tile_cells)
   if not (0 <= w <= capacity and 0 <= fill <= capacity and tile >= 1):
@@ -578,7 +598,8 @@ def filled_rolling(mc, batch, capacity, fill, *, window_cells, tile_cells, key, 
   kdt = _np_dtype(mc.dtype if kv_dtype is None else kv_dtype)
   chunk = tile if chunk_cells is None else int(chunk_cells)
   kh, d = mc.num_kv_heads, mc.head_dim
-  memory.check_host_pool(_tail_bytes(batch, capacity, kh, d, w, tile, kdt),
+  sdt = default_scale_dtype() if kdt == np.dtype(np.int8) else None
+  memory.check_host_pool(_tail_bytes(batch, capacity, kh, d, w, tile, kdt, sdt),
                          where="decode_bench", argument="context")
   n_tiles, staging_cells = _tail_layout(w, capacity, tile)
   wf = min(fill, w)
@@ -946,6 +967,8 @@ def run_rkv(cfg: BenchConfig, log=print,
           kv_dtype=cfg.kv_dtype_name, budget=cfg.budget if name == "rkv_offload" else None,
           kv_gib=kv_bytes(mc, cap, cfg.batch, cfg.kv_dtype_name) / GIB, tokens_per_s=None,
           bound_tokens_per_s=None, embedding=embedding)
+      if cfg.kv_dtype_name == "int8":
+        row["scale_dtype"] = int8_scale_dtype()
       rows.append(row)
       try:
         _fill_row(cfg, mc, model, forward, name, ctx, row, memory_stats, limit, log)

@@ -9,7 +9,8 @@ The tail is a tuple of ``N`` **per-tile arrays**: ``kv.tail.k[i]`` / ``kv.tail.v
 the same as one :class:`KVBlock` per tile. Positions (``k_pos``, int32, -1 = empty) live on the
 device for all three parts: 4 bytes a cell is 0.1% of a bf16 cell at K=8, D=128, and masks then
 need no transfer. int8 caches keep a scale per (token, KV head) next to each part (host for the
-tail): the tail crosses PCIe at about half the bf16 bytes and is dequantized on the device.
+tail), bfloat16 by default (:func:`default_scale_dtype`; float32 kept where a caller's scales
+are float32): the tail crosses PCIe at about half the bf16 bytes and is dequantized on the device.
 Attention over the cache (:func:`rkv.rolling_attention`) is the exact LSE merge of window,
 staging and tail partials, so where a cell lives never changes the result.
 
@@ -66,6 +67,25 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 FORMAT = "rkv.RollingKV"
 FORMAT_VERSION = 1
 _ARRAY_NAMES = ("k", "v", "pos", "k_scale", "v_scale")
+# int8 scales: float32 or bfloat16. bfloat16 is the default of every scale rkv computes: a cell of
+# Llama-3-8B's shape holds 2 x 8 heads x (128 int8 + a scale), so float32 scales are 64 of a
+# layer's 2116 bytes a cell (with its 4-byte position) and bfloat16 ones 32 of 2084. At 2M tokens
+# that is 2 GiB less KV, all of it taken from the host tail that bounds the step (docs/DESIGN.md
+# §6). Quantizing against the rounded scale keeps the int8 step's error bound (below).
+SCALE_DTYPES = ("float32", "bfloat16")
+DEFAULT_SCALE_DTYPE = "bfloat16"
+# $RKV_INT8_SCALE_DTYPE (float32 / bfloat16) replaces the default in this process, for the planner
+# (rkv.planner.layout) and every cache alike: the same-run A/B of the two formats.
+SCALE_DTYPE_ENV = "RKV_INT8_SCALE_DTYPE"
+
+
+def default_scale_dtype() -> np.dtype:
+  """The dtype of the int8 scales rkv computes: ``$RKV_INT8_SCALE_DTYPE`` where set, else
+  :data:`DEFAULT_SCALE_DTYPE`; a value outside :data:`SCALE_DTYPES` is a ValueError."""
+  name = os.environ.get(SCALE_DTYPE_ENV) or DEFAULT_SCALE_DTYPE
+  if name not in SCALE_DTYPES:
+    raise ValueError(f"${SCALE_DTYPE_ENV} must be one of {SCALE_DTYPES}, got {name!r}")
+  return np.dtype(jnp.dtype(name))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,7 +94,7 @@ _ARRAY_NAMES = ("k", "v", "pos", "k_scale", "v_scale")
 @dataclasses.dataclass(frozen=True)
 class KVBlock:
   """Cells of one storage part. ``k, v [B,S,K,D]``, ``pos [B,S]`` int32 (-1: empty slot),
-  ``k_scale, v_scale [B,S,K]`` float32 for int8 K/V, else None. Window and staging hold arrays;
+  ``k_scale, v_scale [B,S,K]`` (float32 or bfloat16) for int8 K/V, else None. Window and staging hold arrays;
   the tail holds, in each field, a **tuple** of N per-tile arrays ``[B,tile,...]`` (K/V and scales
   in ``pinned_host``, positions on the device)."""
 
@@ -152,6 +172,11 @@ class RollingKV:
     return self.window.k_scale is not None
 
   @property
+  def scale_dtype(self):
+    """The int8 scales' dtype (float32 or bfloat16); None for a float cache."""
+    return None if self.window.k_scale is None else self.window.k_scale.dtype
+
+  @property
   def tail_cells(self) -> int:
     """P: cells beyond the window (host tail plus the staging tile)."""
     return self.capacity - self.window_cells
@@ -191,31 +216,37 @@ class RollingKV:
   @classmethod
   def from_arrays(cls, k, v, *, window_cells: int, k_pos=None, k_scale=None, v_scale=None,
                   capacity: int | None = None, tile_cells: int = DEFAULT_TILE_CELLS,
-                  dtype=None) -> "RollingKV":
+                  dtype=None, scale_dtype=None) -> "RollingKV":
     """A cache holding ``k, v [B,S,K,D]`` (cells in order), W of them on the device.
 
     ``k_pos [B,S]`` defaults to ``arange(S)``. ``capacity`` (default S) leaves room for appends.
     ``dtype`` (default k's) may be ``int8``: float K/V are then quantized per (token, KV head);
-    int8 K/V must come with ``k_scale, v_scale [B,S,K]``. Numpy inputs are assembled on the host
-    and never visit the device beyond the window and staging cells.
+    int8 K/V must come with ``k_scale, v_scale [B,S,K]``. ``scale_dtype`` (int8 only: float32 or
+    bfloat16) is the scales' dtype; by default bfloat16 for scales computed here and the given
+    scales' own (bfloat16 kept, any other float as float32) for int8 K/V. Numpy inputs are
+    assembled on the host and never visit the device beyond the window and staging cells.
     """
     return _assemble(k, v, k_pos, k_scale, v_scale, window_cells=window_cells,
                      capacity=capacity, tile_cells=tile_cells, dtype=dtype,
-                     where="RollingKV.from_arrays")
+                     scale_dtype=scale_dtype, where="RollingKV.from_arrays")
 
   @classmethod
   def empty(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
             window_cells: int, dtype=jnp.bfloat16,
-            tile_cells: int = DEFAULT_TILE_CELLS) -> "RollingKV":
-    """An empty cache for decoding: ``capacity`` cells, the first ``window_cells`` on the device."""
+            tile_cells: int = DEFAULT_TILE_CELLS, scale_dtype=None) -> "RollingKV":
+    """An empty cache for decoding: ``capacity`` cells, the first ``window_cells`` on the device;
+    an int8 one keeps ``scale_dtype`` scales (default :func:`default_scale_dtype`: bfloat16)."""
     for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       if not _is_int(val) or val < 1:
         raise ValueError(f"RollingKV.empty: {name} must be a positive int, got {val!r}")
-    dt = check_kv_dtype(dtype, "RollingKV.empty", "dtype")
+    where = "RollingKV.empty"
+    dt = check_kv_dtype(dtype, where, "dtype")
+    sdt = check_scale_dtype(scale_dtype, dt, where)
     zeros = np.zeros((batch, 0, num_kv_heads, head_dim), dt)
-    scales = np.zeros((batch, 0, num_kv_heads), np.float32) if dt == np.dtype(np.int8) else None
+    scales = np.zeros((batch, 0, num_kv_heads), sdt) if sdt is not None else None
     return _assemble(zeros, zeros, None, scales, scales, window_cells=window_cells,
-                     capacity=capacity, tile_cells=tile_cells, dtype=dt, where="RollingKV.empty")
+                     capacity=capacity, tile_cells=tile_cells, dtype=dt, scale_dtype=sdt,
+                     where=where)
 
   def append(self, k, v, pos=None, *, k_scale=None, v_scale=None) -> "RollingKV":
     """See :func:`append`."""
@@ -355,6 +386,30 @@ def check_kv_dtype(dtype, where: str, name: str) -> np.dtype:
   return dt
 
 
+def check_scale_dtype(scale_dtype, kv_dtype, where: str, *, given=None) -> np.dtype | None:
+  """The int8 scales' dtype a cache of ``kv_dtype`` keeps: None for a float cache (a
+  ``scale_dtype`` given there is refused), else ``scale_dtype`` if given (one of SCALE_DTYPES),
+  else the dtype of the ``given`` scales (bfloat16 kept, any other float as float32), else
+  :func:`default_scale_dtype`."""
+  if np.dtype(kv_dtype) != np.dtype(np.int8):
+    if scale_dtype is not None:
+      raise ValueError(f"{where}: scale_dtype is only valid for an int8 cache, got dtype "
+                       f"{np.dtype(kv_dtype).name}")
+    return None
+  if scale_dtype is None:
+    if given is not None and np.dtype(given) == np.dtype(jnp.bfloat16):
+      return np.dtype(jnp.bfloat16)
+    return np.dtype(np.float32) if given is not None else default_scale_dtype()
+  try:
+    sdt = np.dtype(jnp.dtype(scale_dtype))
+  except TypeError as e:
+    raise ValueError(f"{where}: scale_dtype must be one of {SCALE_DTYPES}, got "
+                     f"{scale_dtype!r}") from e
+  if sdt.name not in SCALE_DTYPES:
+    raise ValueError(f"{where}: scale_dtype must be one of {SCALE_DTYPES}, got {sdt.name}")
+  return sdt
+
+
 def _concrete(x) -> np.ndarray | None:
   try:
     return np.asarray(x)
@@ -411,31 +466,47 @@ def _check_kv(k, v, k_scale, v_scale, where: str):
     raise ValueError(f"{where}: k_scale/v_scale are only valid with int8 k/v, got {k.dtype}")
 
 
-def quantize_int8(x):
-  """Symmetric int8 per (token, KV head): ``x [...,K,D]`` → (int8, float32 scale ``[...,K]``).
+def _common_scale_dtype(k_scale, v_scale, where: str) -> np.dtype:
+  """The dtype of given int8 scales: both float (one dtype), else a ValueError."""
+  dtype_of = lambda x: np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+  kd, vd = dtype_of(k_scale), dtype_of(v_scale)
+  if kd != vd:
+    raise ValueError(f"{where}: k_scale ({kd.name}) and v_scale ({vd.name}) must share one dtype")
+  if not (np.issubdtype(kd, np.floating) or kd == np.dtype(jnp.bfloat16)):
+    raise ValueError(f"{where}: k_scale/v_scale must be float arrays, got {kd.name}")
+  return kd
 
-  The same formula as ``tests/numpy_reference.quantize_int8`` (amax / 127, round half to even);
-  XLA's float32 division on CPU is not always correctly rounded, so a scale may differ from
-  numpy's by an ulp.
+
+def quantize_int8(x, scale_dtype=jnp.float32):
+  """Symmetric int8 per (token, KV head): ``x [...,K,D]`` → (int8, scale ``[...,K]`` of
+  ``scale_dtype``, float32 or bfloat16).
+
+  The same formula as ``tests/numpy_reference.quantize_int8`` (amax / 127 rounded to the scale's
+  dtype, then x over that scale rounded half to even); XLA's float32 division on CPU is not
+  always correctly rounded, so a scale may differ from numpy's by an ulp.
+
+  The cells are quantized against the *stored* (rounded) scale, so ``q * scale`` is within half a
+  step of x whatever the scale's dtype. A bfloat16 scale is within 2**-8 (relative) of amax / 127,
+  so amax / scale <= 127 / (1 - 2**-8) < 127.5 rounds to at most 127: no cell is clipped.
   """
   x = jnp.asarray(x, jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
   # amax == 0 (an all-zero row) gets scale 1; a NaN or inf amax keeps a NaN / inf scale, so a
   # non-finite row that reached here (device values, not checked: see check_quantizable) gives
   # NaN where attention reads it instead of a finite, wrong row (``amax > 0`` made NaN's scale 1).
-  scale = jnp.where(amax == 0, 1.0, amax / 127.0).astype(jnp.float32)
-  q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+  scale = jnp.where(amax == 0, 1.0, amax / 127.0).astype(jnp.float32).astype(scale_dtype)
+  q = jnp.clip(jnp.round(x / scale.astype(jnp.float32)[..., None]), -127, 127).astype(jnp.int8)
   return q, scale
 
 
-@jax.jit
-def quantize_pair(k, v):
+@functools.partial(jax.jit, static_argnames="scale_dtype")
+def quantize_pair(k, v, scale_dtype=jnp.float32):
   """:func:`quantize_int8` of ``k`` and ``v`` as one program: ``((k8, k_scale), (v8, v_scale))``.
 
   What appends call per layer and token: op by op the two quantizations were a dozen eager
   dispatches, 1.57 ms an append against 0.24 for bf16 on the dev box's CPU and 5.1 ms on the H200
   (the 2M int8 trace, ``benchmarks/results/beyond_hbm/session3/trace_2097152.json``)."""
-  return quantize_int8(k), quantize_int8(v)
+  return quantize_int8(k, scale_dtype), quantize_int8(v, scale_dtype)
 
 
 def check_quantizable(where: str, name: str, x, pos=None) -> None:
@@ -462,10 +533,10 @@ def _tail_layout(window_cells, capacity, tile_cells):
   return p // tile_cells, min(tile_cells, p)  # (tail tiles allocated, staging cells)
 
 
-def _tail_bytes(batch, capacity, kh, d, window_cells, tile_cells, dt) -> int:
+def _tail_bytes(batch, capacity, kh, d, window_cells, tile_cells, dt, sdt) -> int:
   n_tiles, _ = _tail_layout(window_cells, capacity, tile_cells)
   cells = n_tiles * tile_cells * batch * kh
-  scales = 2 * 4 * cells if dt == np.dtype(np.int8) else 0
+  scales = 2 * sdt.itemsize * cells if sdt is not None else 0
   return 2 * cells * d * dt.itemsize + scales
 
 
@@ -473,7 +544,7 @@ def _tail_bytes(batch, capacity, kh, d, window_cells, tile_cells, dt) -> int:
 # Assembly (from_arrays, empty, load)
 # ----------------------------------------------------------------------------------------------
 def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cells, dtype,
-              where) -> RollingKV:
+              where, scale_dtype=None) -> RollingKV:
   _check_kv(k, v, k_scale, v_scale, where)
   b, s, kh, d = np.shape(k)
   capacity = s if capacity is None else capacity
@@ -489,7 +560,10 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
     raise ValueError(f"{where}: k holds S={s} cells, more than capacity={capacity}")
   src_dt = np.dtype(k.dtype)
   dt = src_dt if dtype is None else check_kv_dtype(dtype, where, "dtype")
-  memory.check_host_pool(_tail_bytes(b, capacity, kh, d, window_cells, tile_cells, dt),
+  given = None if k_scale is None or src_dt != np.dtype(np.int8) else _common_scale_dtype(
+      k_scale, v_scale, where)
+  sdt = check_scale_dtype(scale_dtype, dt, where, given=given)
+  memory.check_host_pool(_tail_bytes(b, capacity, kh, d, window_cells, tile_cells, dt, sdt),
                          where=where, argument="capacity")
   if k_pos is None:
     k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
@@ -499,14 +573,14 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
     # Construction reads every cell to the host anyway: refuse non-finite ones by name.
     check_quantizable(where, "k", k, k_pos)
     check_quantizable(where, "v", v, k_pos)
-    (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+    (k, k_scale), (v, v_scale) = quantize_int8(k, sdt), quantize_int8(v, sdt)
   elif dt != np.dtype(np.int8) and src_dt == np.dtype(np.int8):
     raise ValueError(f"{where}: int8 k/v cannot fill a {dt.name} cache; pass dtype=int8")
   host = lambda x: None if x is None else np.asarray(x)
   k, v, k_scale, v_scale = host(k), host(v), host(k_scale), host(v_scale)
   k, v = k.astype(dt, copy=False), v.astype(dt, copy=False)
   if k_scale is not None:
-    k_scale, v_scale = k_scale.astype(np.float32), v_scale.astype(np.float32)
+    k_scale, v_scale = k_scale.astype(sdt, copy=False), v_scale.astype(sdt, copy=False)
   pos = np.asarray(k_pos).astype(np.int32)
   arrays = dict(k=k, v=v, pos=pos, k_scale=k_scale, v_scale=v_scale)
 
@@ -644,12 +718,21 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
     for name, x in (("k", k), ("v", v)):
       if validation.host_values(x) is not None:  # host cells only: no device read-back per step
         check_quantizable(where, name, x, pos)
-    (k, k_scale), (v, v_scale) = quantize_pair(k, v)
+    (k, k_scale), (v, v_scale) = quantize_pair(k, v, scale_dtype=kv.scale_dtype)
   elif not kv.quantized and src_int8:
     raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")
+  elif kv.quantized:
+    given = _common_scale_dtype(k_scale, v_scale, where)
+    if given != kv.scale_dtype and kv.scale_dtype != np.dtype(np.float32):
+      # float32 scales into a bfloat16 cache would be rounded: the int8 cells were quantized
+      # against the exact ones, so the stored pair would be silently off by up to 2**-8.
+      raise ValueError(f"{where}: k_scale/v_scale are {given.name} but this cache holds "
+                       f"{np.dtype(kv.scale_dtype).name} scales; pass {np.dtype(kv.scale_dtype).name}"
+                       f" scales (or float k/v to quantize here), or build the cache with "
+                       f"scale_dtype=float32")
   new = KVBlock(k=_as(k, kv.dtype), v=_as(v, kv.dtype), pos=_as(pos, jnp.int32),
-                k_scale=None if k_scale is None else _as(k_scale, jnp.float32),
-                v_scale=None if v_scale is None else _as(v_scale, jnp.float32))
+                k_scale=None if k_scale is None else _as(k_scale, kv.scale_dtype),
+                v_scale=None if v_scale is None else _as(v_scale, kv.scale_dtype))
   return new
 
 
@@ -923,7 +1006,9 @@ def load(directory: str, window_cells: int | None = None, *, capacity: int | Non
     specs = manifest["arrays"]
     want = dict(k=((b, fill, kh, d), dt), v=((b, fill, kh, d), dt), pos=((b, fill), np.int32))
     if dt == np.dtype(np.int8):
-      want.update(k_scale=((b, fill, kh), np.float32), v_scale=((b, fill, kh), np.float32))
+      # The scales' dtype is the save's (float32 before bfloat16 scales, either since).
+      sdt = check_scale_dtype(specs["k_scale"]["dtype"], dt, where)
+      want.update(k_scale=((b, fill, kh), sdt), v_scale=((b, fill, kh), sdt))
     arrays = {}
     for name, (shape, adt) in want.items():
       spec = specs[name]

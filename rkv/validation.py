@@ -81,6 +81,13 @@ def _as_int32(x):
   return jnp.asarray(x, jnp.int32)
 
 
+def scale_operand(x):
+  """An int8 scale array as a Pallas kernel operand: float32 and bfloat16 as they are (the kernels
+  widen each block of them as they load it), any other float as float32."""
+  return x if jnp.dtype(x.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else (
+      jnp.asarray(x, jnp.float32))
+
+
 def attention_args(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None,
                    window=None, softcap=None, scale=None, causal=True, kv_rows=None,
                    where: str = "attention") -> AttentionArgs:

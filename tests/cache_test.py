@@ -93,32 +93,85 @@ def test_append_into_prefilled_cache_and_explicit_positions():
   assert_same_attention(kv, k, v, k_pos=pos, t=1)
 
 
-def test_int8_appends_equal_int8_resident():
+@pytest.mark.parametrize("scale_dtype", [None, "float32"])  # None: the default, bfloat16
+def test_int8_appends_equal_int8_resident(scale_dtype):
   w, tile = 5, 8
+  sdt = np.dtype(jnp.bfloat16 if scale_dtype is None else scale_dtype)
   k, v = tokens(30, seed=2)
   # Quantization is per (token, KV head), so quantizing the whole sequence at once is the
   # resident int8 cache the appends must reproduce bit for bit.
-  kq, ks = (np.asarray(x) for x in cache_lib.quantize_int8(k))
-  vq, vs = (np.asarray(x) for x in cache_lib.quantize_int8(v))
-  kv = rkv.RollingKV.empty(B, 32, K, D, window_cells=w, dtype=jnp.int8, tile_cells=tile)
+  kq, ks = (np.asarray(x) for x in cache_lib.quantize_int8(k, sdt))
+  vq, vs = (np.asarray(x) for x in cache_lib.quantize_int8(v, sdt))
+  assert ks.dtype == sdt
+  kv = rkv.RollingKV.empty(B, 32, K, D, window_cells=w, dtype=jnp.int8, tile_cells=tile,
+                           scale_dtype=scale_dtype)
+  assert kv.scale_dtype == sdt
   for i in range(0, 30, 6):  # float in: the cache quantizes
     kv = kv.append(k[:, i:i + 6], v[:, i:i + 6])
   assert_kinds(kv)
   cells = kv.cells()
-  assert cells["k"].dtype == np.int8
+  assert cells["k"].dtype == np.int8 and cells["k_scale"].dtype == sdt
   np.testing.assert_array_equal(cells["k"], kq)
   np.testing.assert_array_equal(cells["v_scale"], vs)
   assert_same_attention(kv, jnp.asarray(kq), jnp.asarray(vq), k_scale=ks, v_scale=vs)
   # The same formula as the float64 suite's quantizer; XLA's float32 division on CPU is not
-  # always correctly rounded, so scales may differ from numpy's by an ulp.
-  k_np, ks_np = numpy_reference.quantize_int8(k)
-  np.testing.assert_allclose(ks, ks_np, rtol=3e-7)
+  # always correctly rounded, so scales may differ from numpy's by an ulp (of the scale's dtype).
+  k_np, ks_np = numpy_reference.quantize_int8(k, sdt)
+  assert ks_np.dtype == sdt
+  np.testing.assert_allclose(ks.astype(np.float32), ks_np.astype(np.float32),
+                             rtol=3e-7 if sdt == np.float32 else 2 ** -7)
   assert np.abs(kq.astype(int) - k_np).max() <= 1
+  # Within half a step of the float cells (the rounded scale is the one quantized against).
+  err = np.abs(kq.astype(np.float64) * ks.astype(np.float64)[..., None] - k)
+  assert (err <= 0.5 * ks.astype(np.float64)[..., None] * (1 + 1e-6)).all()
   # int8 in, with its scales, gives the same cache.
-  kv2 = rkv.RollingKV.empty(B, 32, K, D, window_cells=w, dtype=jnp.int8, tile_cells=tile)
+  kv2 = rkv.RollingKV.empty(B, 32, K, D, window_cells=w, dtype=jnp.int8, tile_cells=tile,
+                            scale_dtype=scale_dtype)
   kv2 = kv2.append(kq, vq, k_scale=ks, v_scale=vs)
   np.testing.assert_array_equal(kv2.cells()["k_scale"], ks)
   np.testing.assert_array_equal(kv2.cells()["v"], vq)
+
+
+def test_int8_scale_dtypes():
+  k, v = tokens(12, seed=4)
+  kq, ks = (np.asarray(x) for x in cache_lib.quantize_int8(k))  # float32 scales
+  vq, vs = (np.asarray(x) for x in cache_lib.quantize_int8(v))
+  # Given float32 scales stay float32 (rounding them would pair the int8 cells with other
+  # scales); given bfloat16 ones stay bfloat16; float K/V quantize to the default, bfloat16.
+  kv = rkv.RollingKV.from_arrays(kq, vq, k_scale=ks, v_scale=vs, window_cells=4, tile_cells=4)
+  assert kv.scale_dtype == np.float32
+  np.testing.assert_array_equal(kv.cells()["k_scale"], ks)
+  b16 = ks.astype(jnp.bfloat16)
+  kv = rkv.RollingKV.from_arrays(kq, vq, k_scale=b16, v_scale=vs.astype(jnp.bfloat16),
+                                 window_cells=4, tile_cells=4)
+  assert kv.scale_dtype == jnp.bfloat16
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=4, tile_cells=4, dtype=jnp.int8)
+  assert kv.scale_dtype == jnp.bfloat16 and kv.tail.k_scale[0].dtype == jnp.bfloat16
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=4, tile_cells=4, dtype=jnp.int8,
+                                 scale_dtype="float32")
+  np.testing.assert_array_equal(kv.cells()["k_scale"], ks)
+  # float32 scales into a bfloat16 cache are refused, not rounded; bfloat16 into float32 widen.
+  empty = lambda sd: rkv.RollingKV.empty(B, 16, K, D, window_cells=4, dtype=jnp.int8,
+                                         tile_cells=4, scale_dtype=sd)
+  with pytest.raises(ValueError, match="float32 but this cache holds bfloat16"):
+    empty(None).append(kq, vq, k_scale=ks, v_scale=vs)
+  with pytest.raises(ValueError, match="share one dtype"):
+    empty("float32").append(kq, vq, k_scale=ks, v_scale=vs.astype(jnp.bfloat16))
+  got = empty("float32").append(kq, vq, k_scale=b16, v_scale=vs.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(got.cells()["k_scale"], b16.astype(np.float32))
+  with pytest.raises(ValueError, match="scale_dtype must be one of"):
+    empty("float16")
+  with pytest.raises(ValueError, match="only valid for an int8 cache"):
+    rkv.RollingKV.empty(B, 16, K, D, window_cells=4, scale_dtype="float32")
+
+
+def test_int8_scale_dtype_env(monkeypatch):
+  monkeypatch.setenv(cache_lib.SCALE_DTYPE_ENV, "float32")
+  kv = rkv.RollingKV.empty(B, 16, K, D, window_cells=4, dtype=jnp.int8, tile_cells=4)
+  assert kv.scale_dtype == np.float32
+  monkeypatch.setenv(cache_lib.SCALE_DTYPE_ENV, "float64")
+  with pytest.raises(ValueError, match="RKV_INT8_SCALE_DTYPE"):
+    rkv.RollingKV.empty(B, 16, K, D, window_cells=4, dtype=jnp.int8, tile_cells=4)
 
 
 def test_bf16_cache_casts_float32_appends():
@@ -160,7 +213,7 @@ def test_flush_replaces_one_leaf(dtype):
       assert x.unsafe_buffer_pointer() == ptrs[name][i]
   assert kv.tail.k[2].sharding.memory_kind == "pinned_host"
   cells = kv.cells()
-  want = np.asarray(cache_lib.quantize_int8(k)[0]) if dtype == jnp.int8 else k
+  want = np.asarray(cache_lib.quantize_int8(k, jnp.bfloat16)[0]) if dtype == jnp.int8 else k
   np.testing.assert_array_equal(cells["k"][:, 16:24], want[:, 16:24])
   np.testing.assert_array_equal(cells["pos"], np.arange(24)[None])
   assert_kinds(kv)
@@ -202,7 +255,7 @@ def test_flush_moves_one_tile_of_bytes(monkeypatch):
   kv = kv.append(k[:, :7], v[:, :7])
   monkeypatch.setattr(memory, "to_host", spy)
   kv = kv.append(k[:, 7:8], v[:, 7:8])  # one flush
-  tile_bytes = 2 * 8 * K * D + 2 * 8 * K * 4  # int8 k, v + float32 scales of one tile
+  tile_bytes = 2 * 8 * K * D + 2 * 8 * K * 2  # int8 k, v + bfloat16 scales of one tile
   assert moved == [tile_bytes]
   moved.clear()
   kv = kv.append(k[:, 8:40], v[:, 8:40])  # a 4-tile chunk: four tiles, each moved once
@@ -251,6 +304,25 @@ def test_save_load_same_attention(tmp_path, dtype):
   assert manifest["format"] == "rkv.RollingKV" and manifest["version"] == 1
   assert {"window_cells", "capacity", "tile_cells", "dtype", "positions"} <= set(manifest)
   assert all({"bytes", "crc32", "shape"} <= set(a) for a in manifest["arrays"].values())
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_save_load_keeps_the_scale_dtype(tmp_path, scale_dtype):
+  # A save from before bfloat16 scales (float32) loads as float32, each as it was saved.
+  k, v = tokens(21, seed=12)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=5, tile_cells=8, dtype=jnp.int8,
+                                 scale_dtype=scale_dtype)
+  rkv.cache.save(kv, str(tmp_path))
+  manifest = json.load(open(os.path.join(tmp_path, "manifest.json")))
+  assert manifest["arrays"]["k_scale"]["dtype"] == scale_dtype
+  loaded = rkv.cache.load(str(tmp_path))
+  assert loaded.scale_dtype == np.dtype(jnp.dtype(scale_dtype))
+  for name, x in kv.cells().items():
+    np.testing.assert_array_equal(loaded.cells()[name], x)
+  manifest["arrays"]["k_scale"]["dtype"] = "float16"
+  json.dump(manifest, open(os.path.join(tmp_path, "manifest.json"), "w"))
+  with pytest.raises(ValueError, match="scale_dtype must be one of"):
+    rkv.cache.load(str(tmp_path))
 
 
 @pytest.mark.parametrize("w", [0, 20, 50])

@@ -25,9 +25,23 @@ from tests import numpy_reference as ref
 from tests.support.tolerances import CPU_KERNEL as TOL
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
 
 
-def _data(b, t, h, kh, d, s, dtype="float32", seed=0, q_dtype=np.float32):
+def _kv_params(dtypes):
+  """(dtype, scale_dtype) cases: int8 with its scales in float32 and in bfloat16 (what the cache
+  holds), the other dtypes unscaled (scale_dtype None)."""
+  out = []
+  for dt in dtypes:
+    if dt == "int8":
+      out += [pytest.param(dt, F32, id="int8-f32scale"),
+              pytest.param(dt, BF16, id="int8-bf16scale")]
+    else:
+      out.append(pytest.param(dt, None, id=dt))
+  return out
+
+
+def _data(b, t, h, kh, d, s, dtype="float32", seed=0, q_dtype=np.float32, scale_dtype=None):
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((b, t, h, d)).astype(q_dtype)
   k = rng.standard_normal((b, s, kh, d)).astype(np.float32)
@@ -35,6 +49,8 @@ def _data(b, t, h, kh, d, s, dtype="float32", seed=0, q_dtype=np.float32):
   ks = vs = None
   if dtype == "int8":
     (k, ks), (v, vs) = ref.quantize_int8(k), ref.quantize_int8(v)
+    # Rounded after quantizing: the reference reads the same (rounded) scales, so it still holds.
+    ks, vs = ks.astype(scale_dtype or F32), vs.astype(scale_dtype or F32)
   else:
     k, v = k.astype(np.dtype(BF16 if dtype == "bfloat16" else dtype)), v.astype(
         np.dtype(BF16 if dtype == "bfloat16" else dtype))
@@ -71,22 +87,24 @@ def test_options(opts, t, g):
          ref.attention(q, k, v, q_pos=q_pos, **opts), "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("dtype,scale_dtype",
+                         _kv_params(["float32", "bfloat16", "float16", "int8"]))
 @pytest.mark.parametrize("t,g", [(1, 4), (4, 4), (16, 8)])
-def test_kv_dtypes(dtype, t, g):
-  q, k, v, ks, vs = _data(2, t, 2 * g, 2, 128, 777, dtype, seed=3)
+def test_kv_dtypes(dtype, scale_dtype, t, g):
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, 128, 777, dtype, seed=3, scale_dtype=scale_dtype)
   _check(ca.cpu_attention(q, k, v, k_scale=ks, v_scale=vs),
          ref.attention(q, k, v, k_scale=ks, v_scale=vs), dtype)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "float32"])
+@pytest.mark.parametrize("dtype,scale_dtype",
+                         _kv_params(["bfloat16", "float16", "int8", "float32"]))
 @pytest.mark.parametrize("t,g,d", [(1, 1, 80), (1, 2, 80), (1, 3, 48), (1, 5, 80), (2, 1, 16),
                                    (2, 2, 32), (1, 4, 16)])
-def test_register_blocked_path(dtype, t, g, d):
+def test_register_blocked_path(dtype, scale_dtype, t, g, d):
   # D % 16 == 0 takes the register-blocked path (query rows in groups of <= 4, bf16
   # in even/odd column order); the spread-out q_pos leaves some rows without a key in whole
   # blocks (and, with the window, in whole chunks) while other rows of the head see keys there.
-  q, k, v, ks, vs = _data(2, t, 2 * g, 2, d, 613, dtype, seed=11)
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, d, 613, dtype, seed=11, scale_dtype=scale_dtype)
   q_pos = np.array([[40, 600][:t], [300, 612][:t]], np.int32)
   for opts in (dict(), dict(window=90), dict(softcap=2.5, causal=False)):
     _check(ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs, **opts),
@@ -99,9 +117,9 @@ def test_query_dtypes(q_dtype):
   _check(ca.cpu_attention(q, k, v), ref.attention(q.astype(np.float32), k, v), "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_holes_hold_nan(dtype):
-  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, 400, dtype, seed=4)
+@pytest.mark.parametrize("dtype,scale_dtype", _kv_params(["float32", "bfloat16", "int8"]))
+def test_holes_hold_nan(dtype, scale_dtype):
+  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, 400, dtype, seed=4, scale_dtype=scale_dtype)
   rng = np.random.default_rng(5)
   k_pos = np.broadcast_to(np.arange(400, dtype=np.int32), (2, 400)).copy()
   holes = rng.random((2, 400)) < 0.3
@@ -153,10 +171,10 @@ def _tile_major(x, tile):
   return np.ascontiguousarray(np.moveaxis(x.reshape((b, s // tile, tile) + x.shape[2:]), 1, 0))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_tile_major_equals_flat(dtype):
+@pytest.mark.parametrize("dtype,scale_dtype", _kv_params(["bfloat16", "int8"]))
+def test_tile_major_equals_flat(dtype, scale_dtype):
   tile, n = 64, 9
-  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, tile * n, dtype, seed=6)
+  q, k, v, ks, vs = _data(2, 4, 8, 2, 80, tile * n, dtype, seed=6, scale_dtype=scale_dtype)
   rng = np.random.default_rng(7)
   k_pos = np.broadcast_to(np.arange(tile * n, dtype=np.int32), (2, tile * n)).copy()
   k_pos[rng.random(k_pos.shape) < 0.1] = -1
@@ -183,6 +201,106 @@ def test_tile_major_equals_flat(dtype):
                              k_pos=k_pos[:, cells],
                              k_scale=None if ks is None else ks[:, cells],
                              v_scale=None if vs is None else vs[:, cells]), dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 scales in bfloat16 (the cache's) as well as float32, on every path: the per-row one
+# (D % 16 != 0, G*T < RKV_STAGE_ROWS), the staged one (G*T >= 6) and the register-blocked one
+# (D % 16 == 0; its 512-bit variant on an AVX-512 build)
+# ----------------------------------------------------------------------------------------------
+_SCALE_PATHS = [(1, 4, 36), (2, 4, 72), (1, 4, 128), (2, 2, 80), (4, 4, 48)]
+
+
+@pytest.mark.parametrize("t,g,d", _SCALE_PATHS)
+def test_bf16_scales_match_reference_and_f32_scales(t, g, d):
+  q, k, v, ks, vs = _data(2, t, 2 * g, 2, d, 517, "int8", seed=31, scale_dtype=BF16)
+  assert ks.dtype == BF16 and vs.dtype == BF16
+  q_pos = np.array([[300, 516, 100, 516][:t], [516, 40, 516, 516][:t]], np.int32)
+  for opts in (dict(), dict(window=70, softcap=3.0)):
+    got = ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs, **opts)
+    _check(got, ref.attention(q, k, v, q_pos=q_pos, k_scale=ks, v_scale=vs, **opts), "int8")
+    # The same values in float32: a bf16 scale widens exactly, so the outputs are identical.
+    f32 = ca.cpu_attention(q, k, v, q_pos=q_pos, k_scale=ks.astype(F32), v_scale=vs.astype(F32),
+                           **opts)
+    for a, b in zip(got, f32):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_scales_read_in_place_from_pinned_host_tiles():
+  tile, n = 64, 5
+  q, k, v, ks, vs = _data(2, 1, 8, 2, 128, tile * n, "int8", seed=32, scale_dtype=BF16)
+  want = ca.cpu_attention(q, k, v, k_scale=ks, v_scale=vs)
+  tiles = lambda x: tuple(rkv.offload.to_host(t) for t in _tile_major(x, tile))
+  tks = tiles(ks)
+  assert tks[0].dtype == jnp.bfloat16
+  assert ca.host_buffer(tks[0]).ptr == tks[0].unsafe_buffer_pointer()  # no bf16 -> f32 copy
+  pos = tuple(_tile_major(np.broadcast_to(np.arange(tile * n, dtype=np.int32), (2, tile * n)),
+                          tile))
+  got = ca.cpu_attention(q, tiles(k), tiles(v), k_pos=pos, k_scale=tks, v_scale=tiles(vs))
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  # A numpy bfloat16 scale is not copied on its way to the kernel (float16/float64 are converted).
+  assert ca._scales_to_host(ks) is ks
+  assert ca._scales_to_host(ks.astype(np.float16)).dtype == F32
+
+
+@pytest.mark.parametrize("scale_dtype", [F32, BF16], ids=["f32scale", "bf16scale"])
+@pytest.mark.parametrize("t,g,d", [(1, 4, 36), (1, 8, 72), (1, 4, 128)])
+def test_nan_scale_visible_reaches_output_hole_does_not(scale_dtype, t, g, d):
+  # A NaN k_scale on a visible cell makes that KV head's rows NaN (o and lse: it is in the logit);
+  # a NaN v_scale there makes their o NaN (it weights V); NaN scales in holes are never read.
+  b, kh, s = 2, 2, 300
+  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, "int8", seed=33, scale_dtype=scale_dtype)
+  k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+  k_pos[:, 40:80] = -1  # holes, NaN scales in them
+  ks, vs = ks.copy(), vs.copy()
+  ks[:, 40:80], vs[:, 40:80] = np.nan, np.nan
+  clean = ca.cpu_attention(q, k, v, k_pos=k_pos, k_scale=ks, v_scale=vs)
+  assert np.isfinite(clean[0]).all() and np.isfinite(clean[1]).all()
+  with np.errstate(invalid="ignore"):
+    _check(clean, ref.attention(q, k, v, k_pos=k_pos, k_scale=ks, v_scale=vs), "int8")
+  head = np.zeros((b, t, g * kh), bool)
+  head[0, :, g:] = True  # batch row 0, KV head 1's query heads (every query sees cell 200)
+  for which in ("k", "v"):
+    bad_k, bad_v = ks.copy(), vs.copy()
+    (bad_k if which == "k" else bad_v)[0, 200, 1] = np.nan
+    o, lse = ca.cpu_attention(q, k, v, k_pos=k_pos, k_scale=bad_k, v_scale=bad_v)
+    assert np.isnan(o[head]).all()
+    assert np.isfinite(o[~head]).all() and np.isfinite(lse[~head]).all()
+    if which == "k":
+      assert np.isnan(lse[head]).all()
+    else:
+      assert np.isfinite(lse[head]).all()  # the weights' sum does not see V
+    np.testing.assert_array_equal(o[~head], clean[0][~head])
+    np.testing.assert_array_equal(lse[~head], clean[1][~head])
+
+
+def test_scale_dtypes_are_checked():
+  q, k, v, ks, vs = _data(2, 1, 8, 2, 64, 100, "int8", scale_dtype=BF16)
+  for bad_k, bad_v, got in ((ks, vs.astype(F32), "bfloat16 and v_scale float32"),
+                            (ks.astype(F32), vs, "float32 and v_scale bfloat16"),
+                            (jnp.asarray(ks, jnp.float16), jnp.asarray(vs, jnp.float16),
+                             "float16 and v_scale float16"),
+                            (jnp.asarray(ks.astype(F32)), jnp.asarray(vs), "float32 and v_scale "
+                             "bfloat16")):
+    with pytest.raises(ValueError, match=f"k_scale and v_scale must both be float32 or both "
+                                         f"bfloat16, got k_scale {got}"):
+      ca.cpu_attention(q, k, v, k_scale=bad_k, v_scale=bad_v)
+  ones = np.ones(ks.shape, np.int8)
+  with pytest.raises(ValueError, match="k_scale must be a float array, got int8"):
+    ca.cpu_attention(q, k, v, k_scale=ones, v_scale=vs)
+  with pytest.raises(ValueError, match="got k_scale int8 and v_scale int8"):  # jax: read in place
+    ca.cpu_attention(q, k, v, k_scale=jnp.asarray(ones), v_scale=jnp.asarray(ones))
+
+
+def test_kernel_refuses_an_unknown_scale_dtype(monkeypatch):
+  # The C argument check, below the Python one: scale_dtype must be RKV_F32 or RKV_BF16 for int8.
+  q, k, v, ks, vs = _data(1, 1, 4, 2, 64, 100, "int8", scale_dtype=BF16)
+  real = dict(ca._SCALE_CODES)
+  for code in (2, 3, -1):
+    monkeypatch.setattr(ca, "_SCALE_CODES", {dt: code for dt in real})
+    with pytest.raises(RuntimeError, match=r"rejected its arguments \(rc=-2\)"):
+      ca.cpu_attention(q, k, v, k_scale=ks, v_scale=vs)
 
 
 def test_strided_views_are_read_in_place():
@@ -530,14 +648,15 @@ def test_kernel_isa_names_the_path():
 # The register-blocked hot shapes (D=128, G=4): the 512-bit path in an x86-64-v4 build (the
 # default on an AVX-512 host; kernel_isa() says which ran), the 256-bit one under v3
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype,scale_dtype",
+                         _kv_params(["int8", "bfloat16", "float16", "float32"]))
 @pytest.mark.parametrize("t,g", [(1, 4), (3, 4), (2, 2), (1, 8)])
-def test_hot_shape_masked_holes_and_empty_rows(dtype, t, g):
+def test_hot_shape_masked_holes_and_empty_rows(dtype, scale_dtype, t, g):
   # S = 613: odd, not a multiple of the 32-cell block, so the last block and chunk are partial.
   # Holes (k_pos = -1, NaN/inf in their bytes or scales) are skipped unread; a run of holes
   # empties whole blocks; batch row 1's first query sees no key (o = 0, lse = -inf).
   b, kh, d, s = 2, 2, 128, 613
-  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=21)
+  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=21, scale_dtype=scale_dtype)
   rng = np.random.default_rng(22)
   k_pos = np.broadcast_to(np.arange(s, dtype=np.int32) + 50, (b, s)).copy()
   holes = rng.random((b, s)) < 0.2
@@ -564,13 +683,13 @@ def test_hot_shape_masked_holes_and_empty_rows(dtype, t, g):
     np.testing.assert_array_equal(x, y)  # bit-identical for any thread count
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype,scale_dtype", _kv_params(["int8", "bfloat16"]))
 @pytest.mark.parametrize("t,g", [(1, 4), (2, 4), (2, 2)])
-def test_hot_shape_nan_in_a_visible_cell(dtype, t, g):
+def test_hot_shape_nan_in_a_visible_cell(dtype, scale_dtype, t, g):
   # A NaN in a visible K cell (int8: in its scale) reaches o and lse of exactly the rows that see
   # that cell, also when rows of one 4-row group differ (t=2, g=2); the others stay exact.
   b, kh, d, s = 2, 2, 128, 301
-  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=23)
+  q, k, v, ks, vs = _data(b, t, g * kh, kh, d, s, dtype, seed=23, scale_dtype=scale_dtype)
   bad = 200
   if dtype == "int8":
     ks = ks.copy()

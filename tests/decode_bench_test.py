@@ -64,6 +64,11 @@ def test_schedules_match_rolling():
   from rkv.models import kv
   assert decode_bench.SCHEDULES == rolling.SCHEDULES
   assert decode_bench.KV_DTYPES == cache.KV_DTYPES
+  assert decode_bench.SCALE_DTYPE_ENV == cache.SCALE_DTYPE_ENV
+  assert decode_bench.DEFAULT_SCALE_DTYPE == cache.DEFAULT_SCALE_DTYPE
+  import jax.numpy as jnp
+  assert decode_bench.SCALE_ITEMSIZES == {n: np.dtype(jnp.dtype(n)).itemsize
+                                          for n in cache.SCALE_DTYPES}
   assert decode_bench.ROLLING_TACTICS == kv.ROLLING_TACTICS
   with pytest.raises(ValueError, match="schedule"):
     decode_bench.BenchConfig(schedule="scan")

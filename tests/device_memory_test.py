@@ -258,7 +258,7 @@ def test_reserve_scales_with_batch_and_falls_back_without_model_sizes():
   assert r.bytes_of("prefill") == 2 * one.bytes_of("prefill")
   q = rz.derive_reserve(dataclasses.replace(LLAMA3_8B, kv_dtype="int8"), 1, tile_cells=32768,
                         prefetch_tiles=8)
-  assert q.bytes_of("tiles") == 8 * 32768 * 8 * (2 * 128 + 2 * 4)
+  assert q.bytes_of("tiles") == 8 * 32768 * 8 * (2 * 128 + 2 * 2)  # bfloat16 scales
   assert rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, tile_bytes=0).bytes_of("tiles") == 0
 
 

@@ -54,3 +54,34 @@ def test_long_layer_layout_small(tactic, cpu_fraction):
 @pytest.mark.parametrize("tactic,cpu_fraction", TACTICS, ids=[t for t, _ in TACTICS])
 def test_one_layer_at_1m_equals_attention(tactic, cpu_fraction):
   _check(*LONG, "bfloat16", tactic, cpu_fraction, impl="auto")
+
+
+def _check_int8(context, window, tile, fill, tactic, cpu_fraction, impl):
+  # The 2M int8 rows' cache: int8 K/V with the default (bfloat16) scales, quantized by the cache;
+  # the reference reads the same int8 cells and scales whole.
+  kq, kk, kv_ = jax.random.split(jax.random.key(context + window + 1), 3)
+  k = np.asarray(jax.random.normal(kk, (1, fill, 1, 128), jnp.float32))
+  v = np.asarray(jax.random.normal(kv_, (1, fill, 1, 128), jnp.float32))
+  q = jax.random.normal(kq, (1, 1, 4, 128), jnp.float32).astype(jnp.bfloat16)
+  kv = rkv.RollingKV.from_arrays(k, v, window_cells=window, tile_cells=tile, capacity=context,
+                                 dtype=jnp.int8)
+  assert kv.scale_dtype == jnp.bfloat16 and kv.n_full_tiles >= 2 and kv.n_staged > 0
+  o, lse = rkv.rolling_attention(q, kv, tactic=tactic, cpu_fraction=cpu_fraction, impl=impl)
+  (k8, ks), (v8, vs) = (rkv.cache.quantize_int8(x, jnp.bfloat16) for x in (k, v))
+  o_ref, lse_ref = rkv.attention(q, k8, v8, k_scale=ks, v_scale=vs, impl="reference")
+  o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
+  assert np.isfinite(o).all() and np.isfinite(np.asarray(lse)).all()
+  np.testing.assert_allclose(o, o_ref, atol=TOL["bfloat16"], rtol=TOL["bfloat16"])
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=TOL["float32"],
+                             rtol=TOL["float32"])
+
+
+@pytest.mark.parametrize("tactic,cpu_fraction", TACTICS, ids=[t for t, _ in TACTICS])
+def test_int8_long_layer_layout_small(tactic, cpu_fraction):
+  _check_int8(*SMALL, tactic, cpu_fraction, impl="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tactic,cpu_fraction", TACTICS, ids=[t for t, _ in TACTICS])
+def test_int8_layer_at_1m_equals_attention(tactic, cpu_fraction):
+  _check_int8(*LONG, tactic, cpu_fraction, impl="auto")

@@ -63,11 +63,13 @@ def attention(q, k, v, q_pos=None, k_pos=None, *, causal=True, window=None, soft
   return o, np.transpose(lse, (0, 2, 1))
 
 
-def quantize_int8(x):
-  """Symmetric int8 per (token, head): x [B,S,K,D] -> (int8 [B,S,K,D], scale [B,S,K] float32)."""
+def quantize_int8(x, scale_dtype=np.float32):
+  """Symmetric int8 per (token, head): x [B,S,K,D] -> (int8 [B,S,K,D], scale [B,S,K] of
+  ``scale_dtype``, float32 or bfloat16). The cells are quantized against the stored (rounded)
+  scale."""
   x = np.asarray(x, np.float32)
   amax = np.abs(x).max(-1)
   with np.errstate(invalid="ignore"):  # a non-finite row keeps a non-finite scale (rkv refuses it)
-    scale = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float32)
-  q = np.clip(np.round(x / scale[..., None]), -127, 127).astype(np.int8)
+    scale = np.where(amax == 0, 1.0, amax / 127.0).astype(np.float32).astype(scale_dtype)
+  q = np.clip(np.round(x / scale.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
   return q, scale

@@ -197,18 +197,35 @@ def test_lse_is_natural_log():
   np.testing.assert_allclose(np.asarray(lse[0, 1]), np.log(80.0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])  # bfloat16: the cache's default
 @pytest.mark.parametrize("q_dtype,tol_name", [("float32", "float32"), ("bfloat16", "bfloat16")])
-def test_int8_kv(q_dtype, tol_name):
+def test_int8_kv(q_dtype, tol_name, scale_dtype):
   b, s, kh, d = 2, 90, 2, 64
   q, kf, vf = _inputs(10, b, 4, 8, kh, d, s, jnp.float32, q_dtype=jnp.dtype(q_dtype))
-  k8, ks = numpy_reference.quantize_int8(kf)
-  v8, vs = numpy_reference.quantize_int8(vf)
+  k8, ks = numpy_reference.quantize_int8(kf, jnp.dtype(scale_dtype))
+  v8, vs = numpy_reference.quantize_int8(vf, jnp.dtype(scale_dtype))
   k_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
   k_pos[:, 10:20] = -1
   ks[:, 10:20] = np.nan  # empty slots: garbage scales must not leak either
   vs[:, 10:20] = np.nan
   _check(q, jnp.asarray(k8), jnp.asarray(v8), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs),
          k_pos=jnp.asarray(k_pos), tol_name=tol_name, window=60, softcap=20.0)
+
+
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_int8_nan_scale_on_a_visible_key_propagates(which):
+  b, s, kh, d = 1, 40, 2, 64
+  q, kf, vf = _inputs(12, b, 1, 4, kh, d, s, jnp.float32)
+  k8, ks = numpy_reference.quantize_int8(kf, jnp.bfloat16)
+  v8, vs = numpy_reference.quantize_int8(vf, jnp.bfloat16)
+  scales = dict(k_scale=ks, v_scale=vs)
+  scales[which][0, 7, 1] = np.nan  # a visible key of kv head 1
+  o, lse = da.decode_attention(q, jnp.asarray(k8), jnp.asarray(v8), block_sizes=TINY,
+                               interpret=True, **{n: jnp.asarray(x) for n, x in scales.items()})
+  o = np.asarray(o)
+  g = 4 // kh
+  assert np.isnan(o[0, 0, g:]).all(), "the heads reading the NaN scale must be NaN"
+  assert np.isfinite(o[0, 0, :g]).all(), "the other kv head's query heads must not be"
 
 
 def test_deterministic():
@@ -464,6 +481,8 @@ TRITON_CONFIGS = [
     (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, split_merge="chain")),
     (4, 8, 2, 96, 1000, jnp.float32, dict(k_pos=True, window=64, softcap=30.0)),
     (2, 16, 4, 128, 2048, jnp.int8, dict(k_pos=True)),
+    (1, 32, 8, 128, 4096, jnp.int8, dict(scale_dtype=jnp.bfloat16)),  # the cache's default scales
+    (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, query_pack="kernel", scale_dtype=jnp.bfloat16)),
     (16, 64, 4, 128, 4096, jnp.bfloat16, dict()),  # T=16, G=16: the rows split into row blocks
     (1, 32, 8, 128, 4096, jnp.bfloat16, dict(k_pos=True, query_pack="kernel")),
     (3, 8, 2, 96, 1000, jnp.int8, dict(k_pos=True, window=64, query_pack="kernel")),
@@ -483,7 +502,8 @@ TRITON_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", TRITON_CONFIGS,
-                         ids=lambda c: f"t{c[0]}_d{c[3]}_{jnp.dtype(c[5]).name}")
+                         ids=lambda c: f"t{c[0]}_d{c[3]}_{jnp.dtype(c[5]).name}"
+                         + ("_bf16_scales" if "scale_dtype" in c[6] else ""))
 def test_lowers_to_verified_triton_ir(config, monkeypatch):
   # What interpret mode cannot catch (non-power-of-two tiles, unsupported primitives, bad dot
   # operands), checked on this host for an H200 (private jax hooks; skips if they moved).
@@ -494,7 +514,8 @@ def test_lowers_to_verified_triton_ir(config, monkeypatch):
   b = 1
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16 if kv_dt != jnp.float32 else jnp.float32)
   k = jax.ShapeDtypeStruct((b, s, kh, d), kv_dt)
-  scales = jax.ShapeDtypeStruct((b, s, kh), jnp.float32) if kv_dt == jnp.int8 else None
+  scales = jax.ShapeDtypeStruct((b, s, kh), opts.pop("scale_dtype", jnp.float32)) \
+      if kv_dt == jnp.int8 else None
   k_pos = jax.ShapeDtypeStruct((b, s), jnp.int32) if opts.pop("k_pos", False) else None
   kv_fill = jax.ShapeDtypeStruct((1,), jnp.int32) if opts.pop("kv_fill", False) else None
   r_pad = max(16, 1 << (t * (h // kh) - 1).bit_length())

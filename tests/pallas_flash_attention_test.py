@@ -276,12 +276,14 @@ TRITON_CONFIGS = [
     (1, 100, 300, 4, 1, 80, jnp.bfloat16, jnp.bfloat16, dict(window=64, softcap=30.0)),
     (1, 100, 300, 2, 2, 96, jnp.float32, jnp.float32, dict(causal=False)),
     (2, 64, 200, 8, 2, 64, jnp.bfloat16, jnp.int8, dict(count_visits=True)),
+    (1, 64, 200, 4, 2, 128, jnp.bfloat16, jnp.int8, dict(scale_dtype=jnp.bfloat16)),
     (1, 64, 256, 2, 1, 256, jnp.float16, jnp.float16,
      dict(block_sizes=fa.BlockSizes(block_q=64, block_k=32, skip_interior=False))),
 ]
 
 
-@pytest.mark.parametrize("config", TRITON_CONFIGS, ids=lambda c: f"d{c[5]}_{jnp.dtype(c[7]).name}")
+@pytest.mark.parametrize("config", TRITON_CONFIGS, ids=lambda c: f"d{c[5]}_{jnp.dtype(c[7]).name}"
+                         + ("_bf16_scales" if "scale_dtype" in c[8] else ""))
 def test_lowers_to_verified_triton_ir(config, monkeypatch):
   # Catches what interpret mode cannot: non-power-of-two tiles, unsupported primitives, bad dot
   # operands. Uses private jax hooks (the only way to name a GPU on a CPU host); skips if moved.
@@ -290,7 +292,8 @@ def test_lowers_to_verified_triton_ir(config, monkeypatch):
   opts = dict(opts)
   q = jax.ShapeDtypeStruct((b, t, h, d), q_dt)
   k = jax.ShapeDtypeStruct((b, s, kh, d), kv_dt)
-  scales = jax.ShapeDtypeStruct((b, s, kh), jnp.float32) if kv_dt == jnp.int8 else None
+  scales = jax.ShapeDtypeStruct((b, s, kh), opts.pop("scale_dtype", jnp.float32)) \
+      if kv_dt == jnp.int8 else None
   static = dict(causal=opts.pop("causal", True), window=opts.pop("window", None),
                 softcap=opts.pop("softcap", None), scale=d**-0.5,
                 block_sizes=opts.pop("block_sizes", fa.BlockSizes.for_head_dim(d)),

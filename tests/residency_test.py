@@ -116,9 +116,14 @@ def test_fits_all_resident():
       assert all(lp.times[t] is None for t in rz.TACTICS if t != "resident")
 
 
-def test_int8_cells_carry_scales():
+def test_int8_cells_carry_scales(monkeypatch):
   p = rz.plan(shape(kv_dtype="int8"), CTX, 1, residency=cfg(10 * MIB))
   assert p.kv_dtype == "int8"
+  # bfloat16 k and v scales per (cell, head), as RollingKV.empty keeps them; float32 where the
+  # process asks for float32 scales.
+  assert p.layers[0].device_bytes == CTX * (2 * K * D * 1 + 2 * K * 2 + 4)
+  monkeypatch.setenv("RKV_INT8_SCALE_DTYPE", "float32")
+  p = rz.plan(shape(kv_dtype="int8"), CTX, 1, residency=cfg(10 * MIB))
   assert p.layers[0].device_bytes == CTX * (2 * K * D * 1 + 2 * K * 4 + 4)
   bf16 = rz.plan(shape(), CTX, 1, residency=cfg(10 * MIB, kv_dtype="bfloat16"))
   assert bf16.layers[0].device_bytes == CTX * (2 * K * D * 2 + 4)

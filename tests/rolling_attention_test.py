@@ -37,6 +37,7 @@ CASES = [
     Case("holes_nan_in_tail", t=2, positions="holes"),
     Case("ragged_batch", b=2, t=1, positions="ragged"),
     Case("int8", t=2, kv_dtype="int8"),
+    Case("int8_bf16_scales_holes", t=2, kv_dtype="int8", scale_dtype="bfloat16", positions="holes"),
     Case("bf16_d48", dtype="bfloat16", d=48),
 ]
 

@@ -33,6 +33,7 @@ CASES = [
     Case("sliding_window_chunk", window=23, t=3),
     Case("holes_nan", t=2, positions="holes"),
     Case("int8", t=2, kv_dtype="int8"),
+    Case("int8_bf16_scales_holes", t=2, kv_dtype="int8", scale_dtype="bfloat16", positions="holes"),
     Case("bf16_gqa4", dtype="bfloat16", **K2),
     Case("bf16_chunk5", dtype="bfloat16", t=5, positions="chunk"),
     Case("w_capacity_resident", window_cells=75),

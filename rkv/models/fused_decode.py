@@ -105,9 +105,10 @@ def plan_step(cache, t: int, *, prefetching: bool) -> LayerStep | None:
                    flush_index=flush_index)
 
 
-def _new_cells(k, v, positions, *, dtype, quantized) -> cache_lib.KVBlock:
-  if quantized:
-    (k, k_scale), (v, v_scale) = cache_lib.quantize_int8(k), cache_lib.quantize_int8(v)
+def _new_cells(k, v, positions, *, dtype, scale_dtype) -> cache_lib.KVBlock:
+  if scale_dtype is not None:  # int8: quantized against scales of the cache's own dtype
+    (k, k_scale), (v, v_scale) = (cache_lib.quantize_int8(k, scale_dtype),
+                                  cache_lib.quantize_int8(v, scale_dtype))
     return cache_lib.KVBlock(k=k, v=v, pos=positions, k_scale=k_scale, v_scale=v_scale)
   return cache_lib.KVBlock(k=k.astype(dtype), v=v.astype(dtype), pos=positions)
 
@@ -137,12 +138,12 @@ def _programs(prev_defs, defs):
   # Only the block written is an argument (donated: written in place). Passing the other one
   # through would make it an output of the program too, and a donated buffer returned unchanged
   # is not guaranteed to be aliased rather than copied: at 1M tokens a window is 3.9 GB a layer.
-  @functools.partial(jax.jit, static_argnames=("dtype", "quantized"), donate_argnames="block")
+  @functools.partial(jax.jit, static_argnames=("dtype", "scale_dtype"), donate_argnames="block")
   def head(prev_leaves, leaves, x, parts, rope_cs, positions, block, offset, *, dtype,
-           quantized):
+           scale_dtype):
     x = merged_input(prev_leaves, x, parts)
     q, k, v = _module(defs, leaves).pre_attention(x, rope_cs)
-    new = _new_cells(k, v, positions, dtype=dtype, quantized=quantized)
+    new = _new_cells(k, v, positions, dtype=dtype, scale_dtype=scale_dtype)
     return x, q, _write(block, new, offset)
 
   close = jax.jit(merged_input)
@@ -205,7 +206,7 @@ class Chain:
       x, q, written = head(prev_leaves, leaves, x, parts, rope_cs, self.positions,
                            cache.window if into_window else cache.staging,
                            np.int32(step.offset), dtype=np.dtype(cache.dtype),
-                           quantized=cache.quantized)
+                           scale_dtype=cache.scale_dtype)
       win, stg = (written, cache.staging) if into_window else (cache.window, written)
     future = None
     if step.n_stream < step.n_full:

@@ -68,11 +68,14 @@ from rkv import validation
 _DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1,
                 np.dtype(np.float16): 2, np.dtype(np.int8): 3}
 _QUERY_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+# int8 scales the kernel reads in place (scale_dtype codes, = _DTYPE_CODES's): the cache keeps
+# them in bfloat16 (half the tail's scale bytes); float32 stays accepted.
+_SCALE_CODES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1}
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 class _Args(ctypes.Structure):
-  """Mirror of ``rkv_attn_args`` in cpu_kernel.c (ABI version 2)."""
+  """Mirror of ``rkv_attn_args`` in cpu_kernel.c (ABI version 3)."""
 
   _fields_ = [
       ("q", ctypes.c_void_p), ("q_pos", ctypes.c_void_p),
@@ -85,7 +88,8 @@ class _Args(ctypes.Structure):
       ("k_strides", ctypes.c_int64 * 3), ("v_strides", ctypes.c_int64 * 3),
       ("ks_strides", ctypes.c_int64 * 3), ("vs_strides", ctypes.c_int64 * 3),
       ("pos_strides", ctypes.c_int64 * 2),
-      ("dtype", ctypes.c_int32), ("causal", ctypes.c_int32), ("window", ctypes.c_int64),
+      ("dtype", ctypes.c_int32), ("scale_dtype", ctypes.c_int32), ("causal", ctypes.c_int32),
+      ("window", ctypes.c_int64),
       ("softcap", ctypes.c_float), ("scale", ctypes.c_float),
   ]
 
@@ -380,6 +384,8 @@ def _scales_to_host(x):
   if isinstance(x, jax.Array):
     return x  # read in place; host_buffer checks where it lives, the dtype is checked below
   a = np.asarray(x)
+  if a.dtype == np.dtype(ml_dtypes.bfloat16):
+    return a  # read in place (np.issubdtype does not count ml_dtypes' bfloat16 as floating)
   if not np.issubdtype(a.dtype, np.floating):
     raise ValueError(f"must be a float array, got {a.dtype}")
   return a.astype(np.float32, copy=False)
@@ -464,11 +470,13 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   scales = []
   if quant:
     for nm, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-      tb = _table(sc, nm, where, rest=(kh,), rest_names=",K", to_host=named(_scales_to_host, nm),
-                  **geo)
-      if tb.ptrs and tb.dtype != np.dtype(np.float32):
-        raise ValueError(f"{where}: {nm} must be float32, got {tb.dtype}")
-      scales.append(tb)
+      scales.append(_table(sc, nm, where, rest=(kh,), rest_names=",K",
+                           to_host=named(_scales_to_host, nm), **geo))
+    # One scale_dtype for both (the kernel takes one code); an empty tile range has no dtype.
+    sdt = [tb.dtype for tb in scales]
+    if scales[0].ptrs and (sdt[0] != sdt[1] or sdt[0] not in _SCALE_CODES):
+      raise ValueError(f"{where}: k_scale and v_scale must both be float32 or both bfloat16, got "
+                       f"k_scale {sdt[0]} and v_scale {sdt[1]}")
 
   o = np.zeros((b, t, h, d), np.float32)
   lse = np.full((b, t, h), -np.inf, np.float32)
@@ -491,6 +499,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     args.ks_tiles, args.vs_tiles = (ctypes.cast(x, ctypes.POINTER(ctypes.c_void_p))
                                     for x in tables[3:])
     args.ks_strides[:], args.vs_strides[:] = scales[0].strides[:3], scales[1].strides[:3]
+    args.scale_dtype = _SCALE_CODES[scales[0].dtype]
   args.batch, args.q_len, args.num_heads, args.num_kv_heads, args.head_dim = b, t, h, kh, d
   args.n_tiles, args.tile = t1 - t0, tile
   args.k_strides[:], args.v_strides[:] = kt.strides[:3], vt.strides[:3]
@@ -519,10 +528,12 @@ def cpu_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None
 
   ``q [B,T,H,D]`` (bf16/f16/f32, numpy or jax). ``k, v``: ``[B,S,K,D]``, tile-major
   ``[N,B,tile,K,D]``, or a tuple of N tiles ``[B,tile,K,D]`` (the cache tail's layout), read in
-  place, in bf16 (``ml_dtypes.bfloat16``), f16, f32 or int8 with ``k_scale, v_scale`` (float32,
-  ``[B,S,K]`` or tiled like k). ``k_pos``: ``[B,S]`` or tiled like k (``[N,B,tile]``, tuple of
-  ``[B,tile]``); ``q_pos [B,T]``: the docs/DESIGN.md §2 visibility rule and defaults. ``tiles=(start,
-  stop)`` restricts tiled inputs to those tiles (a hybrid split; tiles outside are not touched).
+  place, in bf16 (``ml_dtypes.bfloat16``), f16, f32 or int8 with ``k_scale, v_scale``
+  (``[B,S,K]`` or tiled like k; both float32 or both bfloat16, read in place; numpy float16 or
+  float64 scales are converted to float32). ``k_pos``: ``[B,S]`` or tiled like k
+  (``[N,B,tile]``, tuple of ``[B,tile]``); ``q_pos [B,T]``: the docs/DESIGN.md §2 visibility rule
+  and defaults. ``tiles=(start, stop)`` restricts tiled inputs to those tiles (a hybrid split;
+  tiles outside are not touched).
   ``num_threads`` defaults to OpenMP's; ``chunk`` (cells per work item) to a shape-only choice.
   Any T works; the kernel is built for decode (T <= 16). The call releases the GIL.
   """
@@ -596,7 +607,8 @@ def measure_cpu_attention(kv_len: int = 262144, *, num_kv_heads: int = 8, head_d
                           batch: int = 1, q_len: int = 1, group: int = 4, dtype="bfloat16",
                           num_threads: int | None = None, repeats: int = 5,
                           tile_cells: int | None = 32768) -> float:
-  """Bytes/s of K+V (plus int8 scales) read by :func:`cpu_attention`, best of ``repeats``.
+  """Bytes/s of K+V (plus int8 scales, bfloat16 like the cache's) read by :func:`cpu_attention`,
+  best of ``repeats``.
 
   Synthetic tail: ``kv_len`` cells, tile-major ``[N,B,tile,K,D]`` with ``tile_cells`` (at most
   ``kv_len``; None: flat ``[B,S,K,D]``), every cell visible, ``H = group * num_kv_heads`` query heads.
@@ -623,8 +635,8 @@ def measure_cpu_attention(kv_len: int = 262144, *, num_kv_heads: int = 8, head_d
     for i, x in enumerate((k, v)):
       x.reshape(-1)[:] = np.resize(np.random.default_rng(i).integers(-127, 128, 1 << 20,
                                                                       dtype=np.int8), x.size)
-    k_scale = np.full(shape[:-1], 0.01, np.float32)
-    v_scale = np.full(shape[:-1], 0.01, np.float32)
+    k_scale = np.full(shape[:-1], 0.01, ml_dtypes.bfloat16)  # what the cache holds
+    v_scale = np.full(shape[:-1], 0.01, ml_dtypes.bfloat16)
   else:
     _fill_random(k, 0)
     _fill_random(v, 1)

@@ -10,7 +10,10 @@
  *   tiles[s / tile] + b * st[0] + (s % tile) * st[1] + h * st[2]   (elements; head dim contiguous).
  * The cache's tail (a tuple of per-tile [B,tile,K,D] pinned_host arrays), a stacked
  * [N,B,tile,K,D] array and a flat [B,S,K,D] one (N = 1) are all such tables, so the tail is read
- * in place, never copied. Positions and int8 scales come as tile tables the same way.
+ * in place, never copied. Positions and int8 scales come as tile tables the same way; the scales
+ * (one per cell and KV head) are float32 or bfloat16 (scale_dtype: RKV_F32 / RKV_BF16, strides in
+ * elements of that dtype), so a cache that keeps them in bf16 (half the tail's scale bytes) is
+ * read in place too; a bf16 scale widens exactly to float32 (bits << 16).
  *
  * Work split. A work item is (batch row b, chunk of cells, all K heads): the chunk's cells are
  * contiguous memory (a cell holds all heads), so each core streams its own region and no cache
@@ -99,7 +102,7 @@
 #define RKV_AVX512 0
 #endif
 
-#define RKV_ABI_VERSION 2
+#define RKV_ABI_VERSION 3
 #define RKV_BLOCK 32           /* cells per online-softmax block (a multiple of 8) */
 #define RKV_TARGET_ITEMS 256   /* work items wanted for dynamic load balance */
 #define RKV_MIN_CHUNK 256      /* cells: below this, per-item overhead dominates */
@@ -122,17 +125,19 @@ typedef struct {
   const int32_t* q_pos;         /* [B,T] contiguous */
   const void* const* k_tiles;   /* [n_tiles] base of each tile's K [B,tile,K,D] */
   const void* const* v_tiles;
-  const float* const* ks_tiles; /* int8 only, else NULL: each tile's k_scale [B,tile,K] */
-  const float* const* vs_tiles;
+  const void* const* ks_tiles;  /* int8 only, else NULL: each tile's k_scale [B,tile,K], in
+                                 * scale_dtype */
+  const void* const* vs_tiles;
   const int32_t* const* pos_tiles; /* each tile's k_pos [B,tile] */
   int64_t batch, q_len, num_heads, num_kv_heads, head_dim;
   int64_t n_tiles, tile;        /* S = n_tiles * tile */
   int64_t k_strides[3];         /* elements within a tile: batch, cell, kv head */
   int64_t v_strides[3];
-  int64_t ks_strides[3];
+  int64_t ks_strides[3];        /* elements (of scale_dtype) within a tile: batch, cell, kv head */
   int64_t vs_strides[3];
   int64_t pos_strides[2];       /* batch, cell */
-  int32_t dtype;
+  int32_t dtype;                /* K/V: RKV_F32, RKV_BF16, RKV_F16 or RKV_I8 */
+  int32_t scale_dtype;          /* int8 scales (k and v alike): RKV_F32 or RKV_BF16 */
   int32_t causal;
   int64_t window;          /* <= 0: none */
   float softcap;           /* <= 0: none */
@@ -196,6 +201,14 @@ RKV_INLINE float load1(const char* p, int64_t d, const int dtype) {
     case RKV_F16: { uint16_t h; memcpy(&h, p + 2 * d, 2); return f16_to_f32(h); }
     default: return (float)(int8_t)p[d];
   }
+}
+
+/* An int8 scale at p: bfloat16 (bf16 != 0) widened exactly, or float32. */
+RKV_INLINE float load_scale(const char* p, const int bf16) {
+  if (bf16) { uint16_t h; memcpy(&h, p, 2); return bf16_to_f32(h); }
+  float f;
+  memcpy(&f, p, 4);
+  return f;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -392,8 +405,8 @@ typedef struct {
   uint8_t* seen;  /* [R] the row saw a key in this block */
   const char** kcell;   /* [BLOCK] each valid cell's head-0 K row (V, scales likewise) */
   const char** vcell;
-  const float** kscell;
-  const float** vscell;
+  const char** kscell;  /* scale_dtype bytes */
+  const char** vscell;
   const char** nkcell;  /* [BLOCK] the next block's cells (prefetch) */
   const char** nvcell;
 } scratch;
@@ -900,6 +913,9 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
   const int64_t *ks = a->k_strides, *vs = a->v_strides, *kss = a->ks_strides,
                 *vss = a->vs_strides, *ps = a->pos_strides;
   const int quant = dtype == RKV_I8;
+  /* Scale cells are addressed in bytes (scale_dtype's size, fixed for the call). */
+  const int sbf = quant && a->scale_dtype == RKV_BF16;
+  const int64_t ses = sbf ? 2 : 4;
   const int cap = a->softcap > 0.0f;
   const float softcap = a->softcap, inv_cap = cap ? 1.0f / a->softcap : 0.0f;
   const int32_t* qp = a->q_pos + b * T;
@@ -954,8 +970,8 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
       w->kcell[nv] = (const char*)a->k_tiles[n] + es * (b * ks[0] + i * ks[1]);
       w->vcell[nv] = (const char*)a->v_tiles[n] + es * (b * vs[0] + i * vs[1]);
       if (quant) {
-        w->kscell[nv] = a->ks_tiles[n] + b * kss[0] + i * kss[1];
-        w->vscell[nv] = a->vs_tiles[n] + b * vss[0] + i * vss[1];
+        w->kscell[nv] = (const char*)a->ks_tiles[n] + ses * (b * kss[0] + i * kss[1]);
+        w->vscell[nv] = (const char*)a->vs_tiles[n] + ses * (b * vss[0] + i * vss[1]);
       }
       nv++;
     }
@@ -999,11 +1015,19 @@ RKV_INLINE void attend_impl(const rkv_attn_args* a, int64_t b, int64_t s0, int64
           kp[j] = w->kcell[j] + koff;
           vp[j] = w->vcell[j] + voff;
         }
-      if (quant)
-        for (int j = 0; j < nv; j++) {
-          w->kfac[j] = w->kscell[j][kh * kss[2]];
-          w->vfac[j] = w->vscell[j][kh * vss[2]];
-        }
+      if (quant) {
+        const int64_t kso = ses * kh * kss[2], vso = ses * kh * vss[2];  /* the head's bytes */
+        if (sbf)  /* two loops: the dtype test stays out of the per-cell one */
+          for (int j = 0; j < nv; j++) {
+            w->kfac[j] = load_scale(w->kscell[j] + kso, 1);
+            w->vfac[j] = load_scale(w->vscell[j] + vso, 1);
+          }
+        else
+          for (int j = 0; j < nv; j++) {
+            w->kfac[j] = load_scale(w->kscell[j] + kso, 0);
+            w->vfac[j] = load_scale(w->vscell[j] + vso, 0);
+          }
+      }
       for (int j = nv; j < nv8; j++) {  /* masked lanes */
         if (!wide) kp[j] = kp[0];
         w->kfac[j] = 1.0f;
@@ -1320,13 +1344,16 @@ int64_t rkv_cpu_attention_chunk(int64_t B, int64_t S, int64_t K, int64_t R, int6
 
 /* Attention over the cells; writes o [B,T,H,D] and lse [B,T,H] (float32, natural log).
  * chunk <= 0 picks rkv_cpu_attention_chunk; num_threads <= 0 uses OpenMP's default.
- * Returns 0, or -1 when memory could not be allocated, -2 on inconsistent arguments. */
+ * Returns 0, or -1 when memory could not be allocated, -2 on inconsistent arguments (int8 with
+ * a scale_dtype other than RKV_F32 / RKV_BF16 among them). */
 int rkv_cpu_attention(const rkv_attn_args* a, int num_threads, int64_t chunk, float* o,
                       float* lse) {
   const int64_t B = a->batch, T = a->q_len, H = a->num_heads, K = a->num_kv_heads;
   const int64_t D = a->head_dim;
   if (B < 1 || T < 1 || K < 1 || D < 1 || H % K != 0 || a->tile < 1 || a->n_tiles < 0 ||
-      a->dtype < 0 || a->dtype > 3 || (a->dtype == RKV_I8 && (!a->ks_tiles || !a->vs_tiles)) ||
+      a->dtype < 0 || a->dtype > 3 ||
+      (a->dtype == RKV_I8 && (!a->ks_tiles || !a->vs_tiles ||
+                              (a->scale_dtype != RKV_F32 && a->scale_dtype != RKV_BF16))) ||
       (a->n_tiles > 0 && (!a->k_tiles || !a->v_tiles || !a->pos_tiles)))
     return -2;
   const int64_t G = H / K, R = G * T, Dp = (D + 7) & ~(int64_t)7;

@@ -216,7 +216,7 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
       visible key can have, kmin >= 0 so that it also rejects empty slots)
     qpos [Rb] int32, q [Rb, Dp] (Rb = block_rows of the R packed rows); kpos [S] int32 (absent when
     k_pos is the default arange); kv_rows [S] int32 (pooled only); k, v [S, D], or the pool's
-    [R_pool, D] when pooled; k_scale, v_scale [S] (or [R_pool]) float32 (int8 only)
+    [R_pool, D] when pooled; k_scale, v_scale [S] (or [R_pool]) float32 or bfloat16 (int8 only)
     outputs: o [Rb, Dp] float32 (normalised within the split), lse [Rb] float32 (natural log)
   ``rows`` = T*G, the packed rows that are real (the rest pad R to a power of two).
   ``packed_in_kernel`` = (Rb, Dp, G): qpos is then q_pos [T] and q is q [T, H, D] of the batch row,
@@ -306,7 +306,8 @@ def _decode_kernel(*refs, block_k: int, num_splits: int, num_row_blocks: int, ro
       return plgpu.load(ref.at[row_idx, col_idx], mask=jnp.broadcast_to(kv_mask, tile), other=0)
 
     def load_scale(ref):
-      return plgpu.load(ref.at[rows if pooled else pl.ds(s0, block_k)], mask=load_ok, other=0.0)
+      return plgpu.load(ref.at[rows if pooled else pl.ds(s0, block_k)], mask=load_ok,
+                        other=0.0).astype(jnp.float32)  # bfloat16 scales widen here
 
     k = load_kv(k_ref)
     s = lax.dot_general(q, k.astype(compute_dtype), (((1,), (1,)), ((), ())),
@@ -531,7 +532,8 @@ def _packed_partials(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, kv_f
   operands += [k, v]
   in_specs += [kv_spec, kv_spec]
   if quantized:
-    operands += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    # As they are (bfloat16 too): a cast here was an XLA pass over every scale of the window.
+    operands += [validation.scale_operand(k_scale), validation.scale_operand(v_scale)]
     in_specs += [scale_spec] * 2
 
   kernel = functools.partial(
@@ -698,7 +700,8 @@ def decode_attention(q, k, v, *, kv_rows=None, q_pos=None, k_pos=None, k_scale=N
                      interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Exact attention of T <= 16 query tokens over S keys, split along S across the GPU.
 
-  q [B,T,H,D]; k, v [B,S,K,D] (bf16, f16, f32, or int8 with k_scale/v_scale [B,S,K] float32);
+  q [B,T,H,D]; k, v [B,S,K,D] (bf16, f16, f32, or int8 with k_scale/v_scale [B,S,K] float32 or
+  bfloat16);
   q_pos [B,T], k_pos [B,S] int32 (defaults: k_pos = arange(S), q_pos = S - T + arange(T); k_pos < 0
   marks an empty slot whose K/V may be NaN). Returns o [B,T,H,D] in q's dtype and lse [B,T,H] float32,
   natural log; a row that sees no key gets o = 0, lse = -inf. ``interpret=None`` interprets on CPU.

@@ -190,10 +190,11 @@ def _flash_kernel(qmeta_ref, kmeta_ref, q_pos_ref, k_pos_ref, q_ref, k_ref, v_re
       col_idx = lax.broadcasted_iota(jnp.int32, tile, 1)
       gather_mask = jnp.broadcast_to(_and(row_ok[:, None], col_ok), tile)
       load_kv = lambda ref: plgpu.load(ref.at[row_idx, col_idx], mask=gather_mask, other=0)
-      load_scale = lambda ref: plgpu.load(ref.at[rows], mask=row_ok, other=0.0)
+      load_scale = lambda ref: plgpu.load(ref.at[rows], mask=row_ok, other=0.0).astype(
+          jnp.float32)
     else:
       load_kv = lambda ref: _masked_load(ref.at[keys, :], tile_mask, 0)
-      load_scale = lambda ref: _masked_load(ref.at[keys], kv_row_ok, 0.0)
+      load_scale = lambda ref: _masked_load(ref.at[keys], kv_row_ok, 0.0).astype(jnp.float32)
     k = load_kv(k_ref)
     s = lax.dot_general(q, k.astype(mm_dtype), (((1,), (1,)), ((), ())),
                         precision=precision, preferred_element_type=jnp.float32)  # [bq, bk]
@@ -361,7 +362,9 @@ def _flash_attention(q, k, v, q_pos, k_pos, k_scale, v_scale, kv_rows=None, *, c
     in_specs += [kv_spec, kv_spec]
   if quantized:
     in_specs += [scale_spec, scale_spec]
-    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+    # bfloat16 scales go in as they are (widened as the kernel loads them): a cast here would be
+    # one more XLA pass over them.
+    args += [validation.scale_operand(k_scale), validation.scale_operand(v_scale)]
   out_specs = [
       pl.BlockSpec((None, block_q, None, d_pad), lambda i, j, bi: (bi, rev(i), j, 0)),  # o
       pl.BlockSpec((None, block_q, None), lambda i, j, bi: (bi, rev(i), j)),            # lse

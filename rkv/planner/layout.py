@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rkv.cache import default_scale_dtype
 from rkv.planner.shape import AttentionShape
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ class Sizes:
 
 def cell_sizes(shape: AttentionShape, batch: int) -> Sizes:
   itemsize = np.dtype(shape.kv_dtype).itemsize
-  scales = 2 * 4 if shape.kv_dtype == "int8" else 0  # float32 k/v scale per (token, head)
+  # A k and a v scale per (token, head), of the dtype the planner's caches keep (RollingKV.empty's
+  # default: bfloat16 unless $RKV_INT8_SCALE_DTYPE says otherwise).
+  scales = 2 * default_scale_dtype().itemsize if shape.kv_dtype == "int8" else 0
   return Sizes(batch=batch, heads=shape.num_kv_heads, head_cell=2 * shape.head_dim * itemsize
                 + scales)
 

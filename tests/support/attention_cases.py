@@ -23,6 +23,7 @@ class Case:
   d: int = 64
   dtype: str = "float32"
   kv_dtype: str | None = None  # None: same as dtype; "int8": quantized with scales
+  scale_dtype: str = "float32"  # int8 only: the scales' dtype (the cache's default is bfloat16)
   causal: bool = True
   window: int | None = None
   softcap: float | None = None
@@ -42,6 +43,8 @@ CASES = [
     Case("decode_noncausal", t=2, causal=False, s=29),
     Case("decode_rows_see_nothing", t=2, positions="before"),
     Case("decode_int8", t=2, kv_dtype="int8"),
+    Case("decode_int8_bf16_scales_holes", t=2, kv_dtype="int8", scale_dtype="bfloat16",
+         positions="holes"),
     Case("decode_bf16", t=1, dtype="bfloat16", s=70),
     Case("decode_f16_d96", t=1, dtype="float16", d=96),
     Case("decode_ragged_batch", b=3, t=1, positions="ragged"),
@@ -52,6 +55,7 @@ CASES = [
     Case("chunk_noncausal_bf16", t=18, s=31, dtype="bfloat16", causal=False),
     Case("chunk_rows_see_nothing", t=17, s=21, positions="before"),
     Case("chunk_int8_d256", t=17, s=19, h=2, k=1, d=256, kv_dtype="int8"),
+    Case("chunk_int8_bf16_scales", t=17, s=40, kv_dtype="int8", scale_dtype="bfloat16"),
 ]
 
 
@@ -82,8 +86,9 @@ def make_inputs(case: Case, seed: int = 0):
       q_pos[i] = fill - case.t + np.arange(case.t)
   k_scale = v_scale = None
   if case.kv_dtype == "int8":
-    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k))
-    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v))
+    sdt = jnp.dtype(case.scale_dtype)
+    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k), sdt)
+    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v), sdt)
   return q, k, v, q_pos, k_pos, k_scale, v_scale
 
 

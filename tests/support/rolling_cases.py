@@ -43,6 +43,7 @@ class Case:
   d: int = 32
   dtype: str = "float32"
   kv_dtype: str | None = None
+  scale_dtype: str = "float32"  # int8 only: the scales' dtype (the cache's default is bfloat16)
   causal: bool = True
   window: int | None = None
   softcap: float | None = None
@@ -75,8 +76,9 @@ def make(case: Case, seed: int = 0):
     q_pos = np.stack([[case.s - 23 * i - 1] for i in range(case.b)]).astype(np.int32)
   k_scale = v_scale = None
   if case.kv_dtype == "int8":
-    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k))
-    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v))
+    sdt = jnp.dtype(case.scale_dtype)
+    k, k_scale = numpy_reference.quantize_int8(np.nan_to_num(k), sdt)
+    v, v_scale = numpy_reference.quantize_int8(np.nan_to_num(v), sdt)
   dt = jnp.dtype(case.dtype)
   kv_dt = jnp.int8 if case.kv_dtype == "int8" else dt
   return (jnp.asarray(q, dt), jnp.asarray(k, kv_dt), jnp.asarray(v, kv_dt), q_pos, k_pos,

@@ -1,0 +1,35 @@
+# Session 17 on the H200: int8 caches with bfloat16 scales (rkv.cache.DEFAULT_SCALE_DTYPE; 2084
+# bytes a cell-layer at Llama-3-8B's shape instead of 2116), gated on the GPU and measured against
+# float32 scales ($RKV_INT8_SCALE_DTYPE=float32, the old format: planner and caches alike) on one
+# machine, alternating. Each part is one device call (10 minutes at most):
+#   bash benchmarks/session17_h200.sh a   # the GPU-only tests (the int8 1M-layer gates with
+#                                         # bfloat16 scales among them), then 2M int8 with
+#                                         # bfloat16 scales, then float32
+#   bash benchmarks/session17_h200.sh b   # the machine's host and a probe, then 2M int8 float32
+#                                         # scales, then bfloat16 (the other order)
+# Every row is planned on the shipped v3 profile, like the table's. Results:
+# benchmarks/results/beyond_hbm/session17/{a,b}/.
+D=/tmp/s17 NAME=s17 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+int8_2m() {  # TAG SCALE_DTYPE
+  RKV_INT8_SCALE_DTYPE=$2 T=150 run $1 --configs=rkv_offload --budget=auto --contexts=2097152 \
+    --kv_dtype=int8
+}
+case "$PART" in
+  a)
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 250 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
+    int8_2m 2m_int8_bf16 bfloat16
+    int8_2m 2m_int8_f32 float32
+    ;;
+  b)
+    { uptime; nproc; lscpu | grep -E "Model name|MHz"; } > $D/host_b.txt 2>&1
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -1; pack
+    int8_2m 2m_int8_f32 float32
+    int8_2m 2m_int8_bf16 bfloat16
+    ;;
+esac
+echo "== done $(date +%T)"
