@@ -6,8 +6,14 @@
 #                                         # bfloat16 scales among them), then 2M int8 with
 #                                         # bfloat16 scales, then float32
 #   bash benchmarks/session17_h200.sh b   # the machine's host and a probe, then 2M int8 float32
-#                                         # scales, then bfloat16 (the other order)
-# Every row is planned on the shipped v3 profile, like the table's. Results:
+#                                         # scales, then bfloat16 (the other order), then a
+#                                         # traced 2M int8 step with bfloat16 scales
+#   bash benchmarks/session17_h200.sh c   # 2M int8 (bfloat16 scales) on one machine: the
+#                                         # default step, the fused decode step
+#                                         # (RKV_FUSED_DECODE=1: the int8 append's quantization
+#                                         # inside the layer's head program), each planned on
+#                                         # v3 and on this machine's probe, the default again
+# Rows are planned on the shipped v3 profile, like the table's, unless named _probed. Results:
 # benchmarks/results/beyond_hbm/session17/{a,b}/.
 D=/tmp/s17 NAME=s17 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
@@ -30,6 +36,21 @@ case "$PART" in
       | q | tail -1; pack
     int8_2m 2m_int8_f32 float32
     int8_2m 2m_int8_bf16 bfloat16
+    T=170 trace 2m_int8_bf16 --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
+      --trace_steps=2
+    ;;
+  c)
+    { uptime; nproc; lscpu | grep -E "Model name|MHz"; } > $D/host_c.txt 2>&1
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -1; pack
+    int8_2m 2m_int8_bf16 bfloat16
+    RKV_FUSED_DECODE=1 int8_2m 2m_int8_bf16_fused bfloat16
+    if [ -f $D/profile_probe.json ]; then
+      P=$D/profile_probe.json int8_2m 2m_int8_bf16_probed bfloat16
+      P=$D/profile_probe.json RKV_FUSED_DECODE=1 int8_2m 2m_int8_bf16_fused_probed bfloat16
+    fi
+    int8_2m 2m_int8_bf16_again bfloat16
     ;;
 esac
 echo "== done $(date +%T)"

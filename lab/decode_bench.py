@@ -89,7 +89,7 @@ Beyond HBM on one H200 (``experiments/decode_bench.py``; a pinned-host tail abov
   # 1M tokens, bf16 (128 GiB of KV), the planner's window
   python -m experiments.decode_bench --configs=rkv_offload --budget=auto --contexts=1048576 \\
       --out=benchmarks/results/decode_beyond_hbm_h200.json --plot=
-  # 2M tokens, int8 KV (132 GiB with scales)
+  # 2M tokens, int8 KV (130 GiB with its bfloat16 scales)
   python -m experiments.decode_bench --configs=rkv_offload --budget=auto --contexts=2097152 \\
       --kv_dtype=int8 --out=benchmarks/results/decode_beyond_hbm_h200.json --append --plot=
   # batch 8 at 128K (128 GiB of KV)
