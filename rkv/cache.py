@@ -700,8 +700,24 @@ def _as(x, dtype):
   return jnp.asarray(x, dtype)
 
 
-def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBlock:
-  """Validates appended cells and brings them to the cache's dtype on the device."""
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="scale_dtype")
+def _write_quantized(block: KVBlock, k, v, pos, offset, *, scale_dtype) -> KVBlock:
+  """:func:`quantize_pair` of float ``k, v [B,m,K,D]`` and :func:`_write_cells` of the result at
+  ``offset`` as one program. A decode token's append into an int8 cache was two dispatches, and
+  each cost 0.3-0.7 ms of host time on the H200 host at 2M int8 (the traced step in
+  ``benchmarks/results/beyond_hbm/session17/b/``: 9 programs a layer in the layer chain)."""
+  (k8, ks), (v8, vs) = quantize_int8(k, scale_dtype), quantize_int8(v, scale_dtype)
+  new = KVBlock(k=k8, v=v8, pos=pos, k_scale=ks, v_scale=vs)
+  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
+                      block, new)
+
+
+def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str, *,
+               quantize: bool = True) -> KVBlock:
+  """Validates appended cells and brings them to the cache's dtype on the device.
+
+  ``quantize=False`` (float cells for an int8 cache, quantized by the caller's
+  :func:`_write_quantized`): the cells stay float, the scales None."""
   _check_kv(k, v, k_scale, v_scale, where)
   b, t, kh, d = np.shape(k)
   if (b, kh, d) != (kv.batch, kv.num_kv_heads, kv.head_dim):
@@ -718,6 +734,8 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str) -> KVBloc
     for name, x in (("k", k), ("v", v)):
       if validation.host_values(x) is not None:  # host cells only: no device read-back per step
         check_quantizable(where, name, x, pos)
+    if not quantize:
+      return KVBlock(k=k, v=v, pos=_as(pos, jnp.int32))
     (k, k_scale), (v, v_scale) = quantize_pair(k, v, scale_dtype=kv.scale_dtype)
   elif not kv.quantized and src_int8:
     raise ValueError(f"{where}: int8 k/v cannot be appended to a {kv.dtype} cache")
@@ -750,11 +768,27 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   if not isinstance(kv, RollingKV):
     raise ValueError(f"append: kv must be a RollingKV, got {type(kv).__name__}")
   check_live_parts(kv, "append")
+  w, tile, fill = kv.window_cells, kv.tile_cells, kv.fill
+  window, staging, tail = kv.window, kv.staging, kv.tail
+  shape = np.shape(k)
+  t = shape[1] if len(shape) == 4 else 0  # anything else: the general path's checks name it
+  into_window = fill + t <= w
+  if (t and kv.quantized and np.dtype(getattr(k, "dtype", np.int8)) != np.dtype(np.int8) and
+      (into_window or (fill >= w and (fill - w) % tile + t <= tile))):
+    # Float cells that land in one device block (a decode token, a short chunk): quantized and
+    # written by one program.
+    new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append", quantize=False)
+    offset = fill if into_window else (fill - w) % tile
+    block = _write_quantized(window if into_window else staging, new.k, new.v, new.pos,
+                             np.int32(offset), scale_dtype=kv.scale_dtype)
+    if into_window:
+      return dataclasses.replace(kv, window=block, fill=fill + t)
+    if offset + t == tile:
+      tail, block = flush(tail, block, (fill + t - w) // tile - 1)
+    return dataclasses.replace(kv, staging=block, tail=tail, fill=fill + t)
   new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append")
   t = new.k.shape[1]
-  w, tile = kv.window_cells, kv.tile_cells
-  window, staging, tail = kv.window, kv.staging, kv.tail
-  fill, i = kv.fill, 0
+  i = 0
   m = max(0, min(t, w - fill))
   if m:
     window = _write_cells(window, _take(new, 0, m), np.int32(fill))

@@ -165,6 +165,25 @@ def test_int8_scale_dtypes():
     rkv.RollingKV.empty(B, 16, K, D, window_cells=4, scale_dtype="float32")
 
 
+def test_int8_decode_append_is_one_program(monkeypatch):
+  # A token into the window, into the staging tile, and the one that fills (and flushes) it: each
+  # quantized and written by _write_quantized alone, the cells those of the general path.
+  k, v = tokens(12, seed=6, b=1)
+  calls = []
+  for name in ("_write_cells", "quantize_pair", "_write_quantized"):
+    fn = getattr(cache_lib, name)
+    monkeypatch.setattr(cache_lib, name, lambda *a, _f=fn, _n=name, **kw: (calls.append(_n),
+                                                                          _f(*a, **kw))[1])
+  kv = rkv.RollingKV.empty(1, 12, K, D, window_cells=3, dtype=jnp.int8, tile_cells=4)
+  for i in range(11):
+    kv = kv.append(k[:, i:i + 1], v[:, i:i + 1])
+  assert calls == ["_write_quantized"] * 11 and kv.n_full_tiles == 2 and kv.n_staged == 0
+  kq, ks = (np.asarray(x) for x in cache_lib.quantize_int8(k[:, :11], jnp.bfloat16))
+  np.testing.assert_array_equal(kv.cells()["k"], kq)  # per token: the same cells bit for bit
+  np.testing.assert_array_equal(kv.cells()["k_scale"], ks)
+  assert_kinds(kv)
+
+
 def test_int8_scale_dtype_env(monkeypatch):
   monkeypatch.setenv(cache_lib.SCALE_DTYPE_ENV, "float32")
   kv = rkv.RollingKV.empty(B, 16, K, D, window_cells=4, dtype=jnp.int8, tile_cells=4)
