@@ -13,11 +13,14 @@
 #                                         # (RKV_FUSED_DECODE=1: the int8 append's quantization
 #                                         # inside the layer's head program), each planned on
 #                                         # v3 and on this machine's probe, the default again
-#   bash benchmarks/session17_h200.sh d   # 2M int8 on one machine, alternating: the general
-#                                         # step and the fused one twice each (the trace of b/
-#                                         # has ~9 programs a layer at 0.2-0.7 ms of host time
-#                                         # each), then the CPU kernel on 12 threads (4 cores
-#                                         # left to the dispatching threads) against the default
+#   bash benchmarks/session17_h200.sh d   # 2M int8 on one machine, alternating: this code
+#                                         # (an int8 decode append is one program) against
+#                                         # 8e46316's (two: quantize_pair, _write_cells; its
+#                                         # tree in ab_prev/, made by `git archive 8e46316 rkv
+#                                         # lab experiments benchmarks/results/profile_h200_v3.json`,
+#                                         # not committed), twice each; then the fused decode
+#                                         # step (RKV_FUSED_DECODE=1) and the CPU kernel on 12
+#                                         # threads (4 cores left to the dispatching threads)
 # Rows are planned on the shipped v3 profile, like the table's, unless named _probed. Results:
 # benchmarks/results/beyond_hbm/session17/{a,b}/.
 D=/tmp/s17 NAME=s17 PART=${1:-a}
@@ -59,10 +62,11 @@ case "$PART" in
     ;;
   d)
     { uptime; nproc; lscpu | grep -E "Model name|MHz"; } > $D/host_d.txt 2>&1
-    int8_2m 2m_int8_general1 bfloat16
-    RKV_FUSED_DECODE=1 int8_2m 2m_int8_fused1 bfloat16
-    int8_2m 2m_int8_general2 bfloat16
-    RKV_FUSED_DECODE=1 int8_2m 2m_int8_fused2 bfloat16
+    int8_2m 2m_int8_new1 bfloat16
+    SRC=ab_prev int8_2m 2m_int8_prev1 bfloat16
+    int8_2m 2m_int8_new2 bfloat16
+    SRC=ab_prev int8_2m 2m_int8_prev2 bfloat16
+    RKV_FUSED_DECODE=1 int8_2m 2m_int8_fused bfloat16
     RKV_CPU_TAIL_THREADS=12 int8_2m 2m_int8_threads12 bfloat16
     ;;
 esac
