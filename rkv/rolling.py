@@ -82,6 +82,17 @@ def _partial(q, q_pos, block, *, impl, **kw):
 _partial_jit = jax.jit(_partial, static_argnames=_STATIC)
 
 
+def _partial_pair(q, q_pos, first, second, **kw):
+  return _partial(q, q_pos, first, **kw), _partial(q, q_pos, second, **kw)
+
+
+# The window's and the staging tile's partials (both on the device once the append is in) as one
+# eager dispatch instead of two: each dispatch of a layer's chain cost ~0.2 ms of host time on the
+# H200 host (the 2M int8 trace in benchmarks/results/beyond_hbm/session17/b/: 9 programs a
+# layer). Two partials out, merged as before.
+_partial_pair_jit = jax.jit(_partial_pair, static_argnames=_STATIC)
+
+
 def _tiles(kv: cache_lib.RollingKV, n: int, staged=None) -> tuple[stream.Tile, ...]:
   """The first ``n`` full tiles; the first ones replaced by ``staged`` (the same tiles already on
   the device, from a :class:`rkv.offload.stream.Prefetcher`)."""
@@ -217,6 +228,8 @@ def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_sta
   window_block, staging_block = as_tile(window_block), as_tile(staging_block)
 
   def resident():
+    if use_window and use_staging and partial_fn is _partial_jit:
+      return list(_partial_pair_jit(q, q_pos, window_block, staging_block, **kw))
     parts = []
     if use_window:
       parts.append(partial_fn(q, q_pos, window_block, **kw))

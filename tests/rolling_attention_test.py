@@ -174,6 +174,16 @@ def _spy_eager(monkeypatch):
     log.append(("attend", int(block.pos[0, 0]), block.k.shape[1]))
     return part(q, q_pos, block, **kw)
 
+  pair = rolling._partial_pair_jit
+
+  def spy_pair(q, q_pos, first, second, **kw):
+    # The window's and the staging's partials, one dispatch: logged as two, in that order.
+    for block in (first, second):
+      for x in jax.tree.leaves(block):
+        assert memory.memory_kind(x) == memory.DEVICE
+      log.append(("attend", int(block.pos[0, 0]), block.k.shape[1]))
+    return pair(q, q_pos, first, second, **kw)
+
   def spy_wait(partial):
     log.append(("wait",))
     wait(partial)
@@ -181,6 +191,7 @@ def _spy_eager(monkeypatch):
   monkeypatch.setattr(stream, "put_eager", spy_put)
   monkeypatch.setattr(stream, "put_many_eager", spy_many)
   monkeypatch.setattr(rolling, "_partial_jit", spy_partial)
+  monkeypatch.setattr(rolling, "_partial_pair_jit", spy_pair)
   monkeypatch.setattr(stream, "_wait", spy_wait)
   return log
 
@@ -215,12 +226,15 @@ def test_eager_compiles_one_tile_program():
   case = Case("compile", s=90, window_cells=10, tile=16, d=24)
   q, k, v, *_ = make(case, seed=5)
   before = rolling._partial_jit._cache_size()
+  pairs = rolling._partial_pair_jit._cache_size()
   small = rkv.RollingKV.from_arrays(k[:, :50], v[:, :50], window_cells=10, tile_cells=16)
   rkv.rolling_attention(q, small, impl="xla")  # 2 tiles + 8 staged cells
-  assert rolling._partial_jit._cache_size() == before + 2  # the window's and the tile's
+  assert rolling._partial_jit._cache_size() == before + 1  # the tile's
+  assert rolling._partial_pair_jit._cache_size() == pairs + 1  # the window's with the staging's
   large = rkv.RollingKV.from_arrays(k, v, window_cells=10, tile_cells=16)
-  o, lse = rkv.rolling_attention(q, large, impl="xla")  # 5 tiles
-  assert rolling._partial_jit._cache_size() == before + 2
+  o, lse = rkv.rolling_attention(q, large, impl="xla")  # 5 tiles, nothing staged
+  assert rolling._partial_jit._cache_size() == before + 2  # + the window's alone, not a tile's
+  assert rolling._partial_pair_jit._cache_size() == pairs + 1
   check(case, o, lse, *rkv.attention(q, k, v, impl="reference"), ROLLING_VS_RESIDENT["float32"])
 
 
