@@ -14,8 +14,9 @@
 #                                         # inside the layer's head program), each planned on
 #                                         # v3 and on this machine's probe, the default again
 #   bash benchmarks/session17_h200.sh d   # 2M int8 on one machine, alternating: this code
-#                                         # (an int8 decode append is one program) against
-#                                         # 8e46316's (two: quantize_pair, _write_cells; its
+#                                         # (an int8 decode append is one program, the window
+#                                         # and staging partials one dispatch) against
+#                                         # 8e46316's (two each; its
 #                                         # tree in ab_prev/, made by `git archive 8e46316 rkv
 #                                         # lab experiments benchmarks/results/profile_h200_v3.json`,
 #                                         # not committed), twice each; then the fused decode
