@@ -32,12 +32,14 @@ PICK = [
     ("session15/c/half512.json", "shipped defaults at 49bf2c4; each step waited for: 3.39. "
      "Session 8 (command buffers off): 3.07",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session17/a/2m_int8_bf16.json", "shipped defaults at c3cda70 (session 17: bfloat16 "
-     "scales, 9.92 GiB on the host instead of 11.94), planned with the profile's fallback int8 "
-     "share 0.52; the bound uses the int8 rate. Each step waited for: 6.04. Float32 scales on "
-     "the same machine ($RKV_INT8_SCALE_DTYPE=float32), alternating: 5.78 and 5.78 against 6.21 "
-     "and 6.18 (session17/a/, b/). Session 15 (float32 scales): 5.76; session 14: 6.02 and "
-     "5.92 on two machines",
+    ("session17/d/2m_int8_new1.json", "shipped defaults at ae578a5 (session 17: bfloat16 "
+     "scales, 9.92 GiB on the host instead of 11.94; an int8 decode append one program; the "
+     "window's and the staging's partials one dispatch), planned with the profile's fallback "
+     "int8 share 0.52; the bound uses the int8 rate. Each step waited for: 6.13. On the same "
+     "machine, alternating: 6.54 / 6.47 against 6.31 / 6.25 at 8e46316 (bfloat16 scales, two "
+     "dispatches each; session17/d/). On another machine at c3cda70: bfloat16 scales 6.21 / "
+     "6.18 against float32 scales ($RKV_INT8_SCALE_DTYPE=float32) 5.78 / 5.78, alternating "
+     "(session17/a/, b/). Session 15 (float32 scales): 5.76",
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session15/c/b8.json", "shipped defaults at 49bf2c4 (the one-tile tail laid out as two "
      "tiles, hybrid); each step waited for: 57.64. Session 14: 59.80 / 60.95 (session14/c/); "
