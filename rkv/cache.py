@@ -94,9 +94,9 @@ def default_scale_dtype() -> np.dtype:
 @dataclasses.dataclass(frozen=True)
 class KVBlock:
   """Cells of one storage part. ``k, v [B,S,K,D]``, ``pos [B,S]`` int32 (-1: empty slot),
-  ``k_scale, v_scale [B,S,K]`` (float32 or bfloat16) for int8 K/V, else None. Window and staging hold arrays;
-  the tail holds, in each field, a **tuple** of N per-tile arrays ``[B,tile,...]`` (K/V and scales
-  in ``pinned_host``, positions on the device)."""
+  ``k_scale, v_scale [B,S,K]`` (float32 or bfloat16) for int8 K/V, else None. Window and staging
+  hold arrays; the tail holds, in each field, a **tuple** of N per-tile arrays ``[B,tile,...]``
+  (K/V and scales in ``pinned_host``, positions on the device)."""
 
   k: jax.Array
   v: jax.Array
@@ -744,10 +744,10 @@ def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str, *,
     if given != kv.scale_dtype and kv.scale_dtype != np.dtype(np.float32):
       # float32 scales into a bfloat16 cache would be rounded: the int8 cells were quantized
       # against the exact ones, so the stored pair would be silently off by up to 2**-8.
-      raise ValueError(f"{where}: k_scale/v_scale are {given.name} but this cache holds "
-                       f"{np.dtype(kv.scale_dtype).name} scales; pass {np.dtype(kv.scale_dtype).name}"
-                       f" scales (or float k/v to quantize here), or build the cache with "
-                       f"scale_dtype=float32")
+      held = np.dtype(kv.scale_dtype).name
+      raise ValueError(f"{where}: k_scale/v_scale are {given.name} but this cache holds {held} "
+                       f"scales; pass {held} scales (or float k/v to quantize here), or build the "
+                       f"cache with scale_dtype=float32")
   new = KVBlock(k=_as(k, kv.dtype), v=_as(v, kv.dtype), pos=_as(pos, jnp.int32),
                 k_scale=None if k_scale is None else _as(k_scale, kv.scale_dtype),
                 v_scale=None if v_scale is None else _as(v_scale, kv.scale_dtype))
