@@ -22,6 +22,9 @@
 #                                         # not committed), twice each; then the fused decode
 #                                         # step (RKV_FUSED_DECODE=1) and the CPU kernel on 12
 #                                         # threads (4 cores left to the dispatching threads)
+#   part e (one command, not through this script): the GPU-only tests at this session's last
+#   library code (0fa601c's: ae578a5's with two lines reflowed):
+#   timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider (36 passed in 146.2 s)
 # Rows are planned on the shipped v3 profile, like the table's, unless named _probed. Results:
 # benchmarks/results/beyond_hbm/session17/{a,b}/.
 D=/tmp/s17 NAME=s17 PART=${1:-a}
