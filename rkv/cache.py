@@ -641,11 +641,15 @@ def _assemble(k, v, k_pos, k_scale, v_scale, *, window_cells, capacity, tile_cel
 # ----------------------------------------------------------------------------------------------
 # Writes: append → window / staging, flush → one host tile
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_cells(block: KVBlock, new: KVBlock, offset) -> KVBlock:
-  """Writes ``new [B,m,...]`` at cell ``offset`` of a device block, in place (donated)."""
+def write_block(block: KVBlock, new: KVBlock, offset) -> KVBlock:
+  """``new [B,m,...]`` written at cell ``offset`` of a device block (traced: the body of the
+  cache's writers and of :mod:`rkv.models.fused_decode`'s head program)."""
   return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
                       block, new)
+
+
+# Writes ``new`` into a device block in place (the block donated).
+_write_cells = jax.jit(write_block, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnames="tile")
@@ -707,9 +711,7 @@ def _write_quantized(block: KVBlock, k, v, pos, offset, *, scale_dtype) -> KVBlo
   each cost 0.3-0.7 ms of host time on the H200 host at 2M int8 (the traced step in
   ``benchmarks/results/beyond_hbm/session17/b/``: 9 programs a layer in the layer chain)."""
   (k8, ks), (v8, vs) = quantize_int8(k, scale_dtype), quantize_int8(v, scale_dtype)
-  new = KVBlock(k=k8, v=v8, pos=pos, k_scale=ks, v_scale=vs)
-  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
-                      block, new)
+  return write_block(block, KVBlock(k=k8, v=v8, pos=pos, k_scale=ks, v_scale=vs), offset)
 
 
 def _new_cells(kv: RollingKV, k, v, pos, k_scale, v_scale, where: str, *,

@@ -113,11 +113,6 @@ def _new_cells(k, v, positions, *, dtype, scale_dtype) -> cache_lib.KVBlock:
   return cache_lib.KVBlock(k=k.astype(dtype), v=v.astype(dtype), pos=positions)
 
 
-def _write(block: cache_lib.KVBlock, new: cache_lib.KVBlock, offset) -> cache_lib.KVBlock:
-  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, offset, axis=1),
-                      block, new)
-
-
 def _module(defs, leaves):
   graphdef, treedef = defs
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -144,7 +139,7 @@ def _programs(prev_defs, defs):
     x = merged_input(prev_leaves, x, parts)
     q, k, v = _module(defs, leaves).pre_attention(x, rope_cs)
     new = _new_cells(k, v, positions, dtype=dtype, scale_dtype=scale_dtype)
-    return x, q, _write(block, new, offset)
+    return x, q, cache_lib.write_block(block, new, offset)
 
   close = jax.jit(merged_input)
   return head, close
