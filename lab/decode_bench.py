@@ -37,8 +37,8 @@ Configurations (rows):
 
 ``kv_dtype`` (default: the model dtype) may be ``int8``: the rkv caches are int8 RollingKVs
 (K/V int8, bfloat16 scales per token and KV head, float32 with ``$RKV_INT8_SCALE_DTYPE=float32``;
-the tail's in ``pinned_host`` too), generated in
-the model dtype on the device a tile at a time and quantized there (``rkv.cache.quantize_int8``).
+the tail's in ``pinned_host`` too), generated in the model dtype on the device a tile at a time
+and quantized there (``rkv.cache.quantize_int8``).
 :class:`rkv.models.ResidentCache` holds no int8, so a layer the plan keeps resident (and every
 layer of ``rkv_resident``) is a RollingKV whose window is the whole capacity (no tail, no staging:
 rkv.rolling_attention's resident path, run eagerly per layer, not as one jitted step). The
