@@ -62,12 +62,19 @@ def time_fn(fn: Callable[..., Any], *args, n_warmup: int = 2, n_outer: int = 7,
   return Timing(statistics.median(samples), min(samples), max(samples), n_outer, n_inner)
 
 
+# Environment variables that change how a run executes (rkv's A/B switches, XLA's flags and its
+# client's memory fraction): a result records the ones that were set, so an A/B's two files say
+# which side each is.
+RECORDED_ENV_PREFIXES = ("RKV_", "XLA_FLAGS", "XLA_PYTHON_CLIENT_", "XLA_CLIENT_", "OMP_")
+
+
 def environment() -> dict[str, Any]:
-  """What the figures were measured on."""
+  """What the figures were measured on, and the switches that were set (``env``)."""
   dev = jax.devices()[0]
+  env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
   return dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
               platform=platform.platform(), python=platform.python_version(),
-              time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+              time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), env=env)
 
 
 def check_output_path(path: str | None, flag: str = "out", *, directory: bool = False) -> None:

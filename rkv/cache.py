@@ -272,7 +272,8 @@ class RollingKV:
     """The position after the last cell written: the default start of the next chunk."""
     return jnp.int32(self.fill)
 
-  def attend(self, q, k, v, positions, *, merge=True, **kw) -> tuple[jax.Array, "RollingKV"]:
+  def attend(self, q, k, v, positions, *, merge=True, while_waiting=None,
+             **kw) -> tuple[jax.Array, "RollingKV"]:
     """Appends the chunk's ``k, v`` at ``positions`` and returns ``(o, new cache)``: causal
     :func:`rkv.rolling_attention` of ``q`` over every cell with the cache's tactic (``kw``: its
     ``window``, ``softcap``, ``scale``, ``impl``, ``schedule``, ``lookahead``, ``cpu_threads``,
@@ -281,7 +282,9 @@ class RollingKV:
     (:func:`rkv.rolling.merge_parts`; ``layered_forward`` does, with ``post_attention``). A
     hybrid decode step starts its CPU share and requests its first streamed tiles before the
     append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
-    ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off)."""
+    ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off). ``while_waiting()``: host work
+    to run while this thread would wait for the step's CPU share (``layered_forward`` puts the
+    next layer's first tiles there), else after the step's own work; called once."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES
     tactic, share = self.tactic, self.cpu_fraction
@@ -306,7 +309,8 @@ class RollingKV:
     with jax.profiler.TraceAnnotation("rkv.append"):
       new = self.append(k, v, positions)
     out = rolling._rolling_attention(q, new, q_pos=positions, causal=True, tactic=tactic,
-                                     cpu_fraction=share, cpu_future=cpu_future, merge=merge, **kw)
+                                     cpu_fraction=share, cpu_future=cpu_future, merge=merge,
+                                     while_waiting=while_waiting, **kw)
     return (out[0] if merge else out), new
 
   def streamed_tiles(self) -> tuple:

@@ -47,8 +47,11 @@ a :class:`rkv.head_split.HeadSplitKV`):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import math
+import os
+import sys
 import threading
 
 import jax
@@ -91,6 +94,24 @@ def _partial_pair(q, q_pos, first, second, **kw):
 # H200 host (the 2M int8 trace in benchmarks/results/beyond_hbm/session17/b/: 9 programs a
 # layer). Two partials out, merged as before.
 _partial_pair_jit = jax.jit(_partial_pair, static_argnames=_STATIC)
+
+
+def _tiles_merged(q, q_pos, parts, tiles, *, out_dtype, **kw):
+  """The partial of every tile of ``tiles`` (already on the device) merged with ``parts`` (the
+  window's and staging's partials, dispatched before): one program."""
+  return stream.merge_all(list(parts) + [_partial(q, q_pos, t, **kw) for t in tiles],
+                          out_dtype=out_dtype)
+
+
+# $RKV_TILES_ONE_PROGRAM=1: a hybrid layer whose streamed tiles are all on the device already
+# (early puts, a Prefetcher's) attends them and merges every device partial in one program
+# instead of a program per tile and a merge (2M int8: 3 tiles, 4 dispatches of ~0.2 ms of host
+# time each, benchmarks/results/beyond_hbm/session17/b/). The window and staging partials stay a
+# program of their own, dispatched first, so the window's HBM read still runs while the tiles
+# cross PCIe (one program with them would wait for the last tile to start). Compiled once per
+# number of streamed tiles. Off by default until measured on the H200.
+TILES_ONE_PROGRAM_ENV = "RKV_TILES_ONE_PROGRAM"
+_tiles_merged_jit = jax.jit(_tiles_merged, static_argnames=_STATIC + ("out_dtype",))
 
 
 def _tiles(kv: cache_lib.RollingKV, n: int, staged=None) -> tuple[stream.Tile, ...]:
@@ -140,6 +161,13 @@ def streamed_count(n_tiles: int, tactic: str, cpu_fraction: float | None) -> int
 # by default), read at each call.
 EARLY_PUTS_ENV = "RKV_EARLY_PUTS"
 EARLY_CPU_ENV = "RKV_EARLY_CPU"
+# $RKV_EARLY_Q_COPY=1: early_cpu_share requests the query's device -> host copy itself, before it
+# submits the CPU share. Why (the 2M int8 trace, benchmarks/results/beyond_hbm/session17/b/): the
+# worker's np.asarray(q) began 0.9 ms into the layer, PJRT dispatched its copy 0.2 ms later, and
+# the copy ran 0.4 ms after that, queued on PJRT's host threads behind the layer's tile puts;
+# the whole q_to_host span was 0.6-0.8 ms of a 5.3 ms layer, on its critical path (q copy, CPU
+# kernel, merge, next layer's join). Off by default until measured on the H200.
+EARLY_Q_COPY_ENV = "RKV_EARLY_Q_COPY"
 
 
 def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
@@ -217,6 +245,8 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
                            lookahead=lookahead, where="early_cpu_share")
   cpu_kw = _cpu_kwargs(q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
                        cpu_threads=cpu_threads)
+  if isinstance(q, jax.Array) and validation.env_switch(EARLY_Q_COPY_ENV, False):
+    q.copy_to_host_async()  # the worker's np.asarray(q) then finds it in flight or done
   return _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
 
 
@@ -299,6 +329,53 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     return _EXECUTOR
 
 
+# $RKV_SWITCH_INTERVAL_US: Python's GIL switch interval (sys.setswitchinterval, default 5000 us)
+# while a layered step with cpu / hybrid layers runs, restored after it (unset: Python's own).
+# Why: a thread that wants the GIL waits until the holder blocks in C or the interval passes, and
+# the CPU share's worker needs it to start, to return from its query copy and to set up the
+# kernel, while the main thread runs the layer's dispatches in Python: in the 2M int8 trace
+# (benchmarks/results/beyond_hbm/session17/b/) the worker began 0.9 ms after the layer did,
+# right when the main thread first released the GIL (in its first tile put). A short interval
+# bounds each such wait. Process-wide while it is set (other threads see it too). Unmeasured on
+# the H200 as yet: an A/B switch, off by default.
+SWITCH_INTERVAL_ENV = "RKV_SWITCH_INTERVAL_US"
+
+
+def switch_interval_from_env() -> float | None:
+  """``$RKV_SWITCH_INTERVAL_US`` in seconds, None when unset or empty; a ValueError names the
+  variable for anything but a positive number of microseconds."""
+  raw = os.environ.get(SWITCH_INTERVAL_ENV, "").strip()
+  if not raw:
+    return None
+  try:
+    us = float(raw)
+  except ValueError:
+    us = float("nan")
+  if not us > 0 or math.isinf(us):
+    raise ValueError(f"${SWITCH_INTERVAL_ENV} must be a positive number of microseconds (Python's "
+                     f"default is 5000), got {raw!r}")
+  return us * 1e-6
+
+
+@contextlib.contextmanager
+def host_kernel_switch_interval(caches):
+  """Within: the GIL switch interval of ``$RKV_SWITCH_INTERVAL_US`` when any of ``caches`` is a
+  :class:`rkv.RollingKV` whose tactic runs the CPU kernel (``cpu`` / ``hybrid``); Python's
+  interval is restored on the way out, also on an error. Otherwise (or with the variable unset)
+  nothing changes."""
+  interval = switch_interval_from_env()
+  if interval is None or not any(isinstance(c, cache_lib.RollingKV)
+                                 and c.tactic in tactics_lib.HOST_KERNEL for c in caches):
+    yield
+    return
+  before = sys.getswitchinterval()
+  sys.setswitchinterval(interval)
+  try:
+    yield
+  finally:
+    sys.setswitchinterval(before)
+
+
 _check_fraction = tactics_lib.check_cpu_fraction
 
 
@@ -368,16 +445,23 @@ def rolling_attention(q, kv, *, q_pos=None, causal=True, window=None, softcap=No
 
 
 def _rolling_attention(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, schedule,
-                       lookahead, cpu_fraction, cpu_threads, staged, cpu_future=None, merge=True):
+                       lookahead, cpu_fraction, cpu_threads, staged, cpu_future=None, merge=True,
+                       while_waiting=None):
   """:func:`rolling_attention`; ``cpu_future``: the hybrid CPU share already started by
   :func:`early_cpu_share` for these tiles (RollingKV.attend's decode step). ``merge=False``
   returns the partials unmerged, a tuple of ``(o, lse)`` pairs (:func:`merge_parts` merges them):
   a ``cpu`` / ``hybrid`` layer's device partial (if any) and the CPU kernel's (numpy), else the
-  one merged partial."""
+  one merged partial. ``while_waiting()``: called once, with no arguments, when this thread has
+  dispatched the layer's device work and is about to wait for its CPU share in the worker (so
+  host work placed there, such as the next layer's tile puts, costs the layer nothing); on every
+  other path, after the call's own work. Its exceptions propagate, after the CPU share is done."""
+  hook = _Once(while_waiting) if while_waiting is not None else None
   out = _rolling_parts(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
                        scale=scale, tactic=tactic, impl=impl, schedule=schedule,
                        lookahead=lookahead, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
-                       staged=staged, cpu_future=cpu_future, merge=merge)
+                       staged=staged, cpu_future=cpu_future, merge=merge, while_waiting=hook)
+  if hook is not None:
+    hook()  # a no-op when the worker path already called it
   if merge:
     return out
   return tuple(out) if isinstance(out, _Parts) else (out,)
@@ -385,6 +469,18 @@ def _rolling_attention(q, kv, *, q_pos, causal, window, softcap, scale, tactic, 
 
 class _Parts(tuple):
   """The unmerged partials of a ``cpu`` / ``hybrid`` layer (``merge=False``)."""
+
+
+class _Once:
+  """``fn`` called at most once, however often this is."""
+
+  def __init__(self, fn):
+    self._fn = fn
+
+  def __call__(self):
+    fn, self._fn = self._fn, None
+    if fn is not None:
+      fn()
 
 
 def merge_parts(parts, out_dtype):
@@ -396,7 +492,8 @@ def merge_parts(parts, out_dtype):
 
 
 def _rolling_parts(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl, schedule,
-                   lookahead, cpu_fraction, cpu_threads, staged, cpu_future, merge):
+                   lookahead, cpu_fraction, cpu_threads, staged, cpu_future, merge,
+                   while_waiting=None):
   where = "rolling_attention"
   common = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl,
                 schedule=schedule, lookahead=lookahead)
@@ -430,7 +527,7 @@ def _rolling_parts(q, kv, *, q_pos, causal, window, softcap, scale, tactic, impl
   if n_stream < n_tiles:
     return _with_cpu_tail(q, q_pos, kv, static, n_stream=n_stream, schedule=schedule,
                           cpu_threads=cpu_threads, staged=staged, cpu_future=cpu_future,
-                          merge=merge)
+                          merge=merge, while_waiting=while_waiting)
   tiles = _tiles(kv, n_tiles, staged)
   if schedule == "eager" and not _tracing(q, q_pos, kv) and not _all_staged(tiles):
     return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
@@ -450,7 +547,7 @@ def _cpu_kwargs(q_pos, static, *, n_stream, n_tiles, cpu_threads) -> dict:
 
 
 def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None,
-                   cpu_future=None, merge=True):
+                   cpu_future=None, merge=True, while_waiting=None):
   """Tiles ``[n_stream, n_full_tiles)`` on the host CPU, the window, staging and tiles
   ``[0, n_stream)`` on the device meanwhile; one exact merge. The CPU share runs in a worker
   thread while this one streams tiles eagerly, else on this thread after the device partials
@@ -485,12 +582,34 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   device = None
   try:
     with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
-      device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                       partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+      if validation.env_switch(TILES_ONE_PROGRAM_ENV, False) and _all_staged(tiles):
+        device = _staged_device_part(q, q_pos, kv, tiles, static)
+      else:
+        device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
+                         partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+    if while_waiting is not None:
+      with jax.profiler.TraceAnnotation("rkv.while_waiting"):
+        while_waiting()
   finally:
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
   return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
+
+
+def _staged_device_part(q, q_pos, kv, tiles, static):
+  """The device partial of a hybrid layer whose streamed ``tiles`` are all on the device: the
+  window and staging partials (one program), then the tiles' partials merged with them (another;
+  ``$RKV_TILES_ONE_PROGRAM``)."""
+  kw = {n: static[n] for n in _STATIC}
+  as_tile = lambda b: stream.Tile(b.k, b.v, b.pos, b.k_scale, b.v_scale)
+  w, st = as_tile(kv.window), as_tile(kv.staging)
+  if static["use_window"] and static["use_staging"]:
+    parts = _partial_pair_jit(q, q_pos, w, st, **kw)
+  elif static["use_window"] or static["use_staging"]:
+    parts = (_partial_jit(q, q_pos, w if static["use_window"] else st, **kw),)
+  else:
+    parts = ()
+  return _tiles_merged_jit(q, q_pos, tuple(parts), tuple(tiles), out_dtype=jnp.float32, **kw)
 
 
 def _merge_cpu(q, device, o_cpu, lse_cpu, *, merge=True):

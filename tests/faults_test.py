@@ -392,6 +392,19 @@ def test_check_output_path(tmp_path):
   benchmarking.check_output_path(None)
 
 
+def test_results_record_the_switches_that_were_set(monkeypatch):
+  # A result's environment names the rkv / XLA switches set for its run (an A/B's two files
+  # say which side each is), and nothing else from the environment.
+  from rkv import benchmarking
+  monkeypatch.setenv("RKV_NEXT_PUTS", "1")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  monkeypatch.setenv("SOME_SECRET_TOKEN", "x")
+  env = benchmarking.environment()["env"]
+  assert env["RKV_NEXT_PUTS"] == "1" and env["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
+  assert "SOME_SECRET_TOKEN" not in env and all(
+      k.startswith(benchmarking.RECORDED_ENV_PREFIXES) for k in env)
+
+
 @pytest.mark.parametrize("args,match", [
     (["--out={blocker}/r.json"], "--out=.* cannot be written"),  # before: after the whole run
     (["--n_outer=0"], "n_outer"),  # before: a numpy error on an empty list of timings

@@ -384,6 +384,74 @@ def test_layered_forward_join_equals_separate_programs(monkeypatch, tactic):
     models.layered_forward(model)
 
 
+@pytest.mark.parametrize("tactic", ["hybrid", "stream"])
+def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
+  """$RKV_NEXT_PUTS=1: a hybrid layer requests the next layer's first streamed tiles while it
+  waits for its CPU share, and that layer attends them as staged tiles instead of putting its
+  own. When tiles move changes, not what is attended: logits and caches equal the default run,
+  bit for bit, through a prefill, decode steps and a flush; with it on, every decode step's
+  hybrid layers after the first were handed their tiles (stream layers put none early)."""
+  from rkv import cache as cache_lib
+  seen = []  # (T, layer's staged tiles given?, a while_waiting hook given?)
+  real_attend = cache_lib.RollingKV.attend
+
+  def spy(self, q, *a, **kw):
+    seen.append((q.shape[1], bool(kw.get("staged")), kw.get("while_waiting") is not None))
+    return real_attend(self, q, *a, **kw)
+
+  monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
+  default = _decode_with(tactic)
+  assert not any(staged or hook for _, staged, hook in seen)
+  seen.clear()
+  monkeypatch.setenv("RKV_NEXT_PUTS", "1")
+  ahead = _decode_with(tactic)
+  _assert_same_run(default, ahead)
+  n_layers = len(default[1])
+  decode = [seen[i:i + n_layers] for i in range(0, len(seen), n_layers)
+            if seen[i][0] == 1]
+  assert decode and all(hook for step in decode for _, _, hook in step[:-1])
+  assert not any(hook for step in decode for _, _, hook in step[-1:])  # no layer after the last
+  staged = [s for step in decode for _, s, _ in step[1:]]
+  assert all(staged) if tactic == "hybrid" else not any(staged)
+  # With those tiles staged, the tiles' partials and their merge as one program
+  # ($RKV_TILES_ONE_PROGRAM): the same partials in the same order.
+  from rkv import rolling
+  merged = []
+  real_merged = rolling._tiles_merged_jit
+  monkeypatch.setattr(rolling, "_tiles_merged_jit",
+                      lambda *a, **kw: merged.append(1) or real_merged(*a, **kw))
+  monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "1")
+  one = _decode_with(tactic)
+  assert bool(merged) == (tactic == "hybrid")
+  for x, y in zip(default[0], one[0]):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(default[1]), jax.tree.leaves(one[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  monkeypatch.setenv("RKV_NEXT_PUTS", "soon")
+  with pytest.raises(ValueError, match="RKV_NEXT_PUTS"):
+    _decode_with(tactic)
+
+
+def test_layered_forward_switch_interval_during_host_kernel_steps(monkeypatch):
+  """$RKV_SWITCH_INTERVAL_US: the GIL switch interval while a step with cpu / hybrid layers runs
+  (seen inside each layer's attend), Python's own again after it; the logits are the default's."""
+  import sys
+  from rkv import cache as cache_lib
+  seen = []
+  real_attend = cache_lib.RollingKV.attend
+  monkeypatch.setattr(cache_lib.RollingKV, "attend", lambda self, *a, **kw: (
+      seen.append(sys.getswitchinterval()), real_attend(self, *a, **kw))[1])
+  before = sys.getswitchinterval()
+  default = _decode_with("hybrid")
+  assert set(seen) == {before}
+  seen.clear()
+  monkeypatch.setenv("RKV_SWITCH_INTERVAL_US", "300")
+  short = _decode_with("hybrid")
+  assert seen and all(x == pytest.approx(300e-6) for x in seen)
+  assert sys.getswitchinterval() == before
+  _assert_same_run(default, short)
+
+
 # ----------------------------------------------------------------------------------------------
 # Every tactic through generation
 # ----------------------------------------------------------------------------------------------

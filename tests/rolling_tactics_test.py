@@ -289,7 +289,7 @@ def test_decode_attend_starts_its_tail_before_the_append(monkeypatch, tactic, sh
   assert kv.n_full_tiles == 5  # 4 full tiles at 45 cells: a flush happened on the way
 
 
-@pytest.mark.parametrize("name", ["RKV_EARLY_CPU", "RKV_EARLY_PUTS"])
+@pytest.mark.parametrize("name", ["RKV_EARLY_CPU", "RKV_EARLY_PUTS", "RKV_EARLY_Q_COPY"])
 def test_early_start_switches_refuse_bad_values(monkeypatch, name):
   rng = np.random.default_rng(12)
   k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
@@ -302,6 +302,135 @@ def test_early_start_switches_refuse_bad_values(monkeypatch, name):
   monkeypatch.setenv(name, "off")  # a valid spelling: the step runs
   o, _ = kv.attend(q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32), impl="xla")
   assert o.shape == q.shape
+
+
+@pytest.mark.parametrize("tactic,share,fill", [
+    ("hybrid", 0.5, 40),  # the worker path: 4 full tiles, 2 streamed, 2 on the CPU
+    ("cpu", None, 40),  # nothing streamed: the CPU share on this thread
+    ("stream", None, 40),
+    ("hybrid", 0.5, 6)])  # every cell in the window: the resident path
+def test_while_waiting_runs_once_before_the_cpu_partial_is_read(monkeypatch, tactic, share, fill):
+  # attend(while_waiting=fn) calls fn exactly once: on the hybrid worker path after the device
+  # work is dispatched and before the CPU share's result is read (the merge), elsewhere after
+  # the call's own work; the result is the same as without it.
+  rng = np.random.default_rng(13)
+  k = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  fresh = lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8,
+                                            capacity=56).with_tactic(tactic, share)
+  kv = fresh()
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
+  pos = jnp.full((1, 1), fill, jnp.int32)
+  events = []
+  real_merge, real_cpu = rolling._merge_cpu, cpu_lib.cpu_attention_tail
+  monkeypatch.setattr(rolling, "_merge_cpu",
+                      lambda *a, **kw: events.append("merge") or real_merge(*a, **kw))
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail",
+                      lambda *a, **kw: (real_cpu(*a, **kw), events.append("cpu done"))[0])
+  o, _ = kv.attend(q, new, new, pos, impl="xla", while_waiting=lambda: events.append("hook"))
+  assert events.count("hook") == 1, events
+  if tactic == "hybrid" and fill > 8:
+    assert events.index("hook") < events.index("merge"), events
+  elif tactic == "cpu":
+    assert events.index("hook") > events.index("merge"), events
+  ref, _ = fresh().attend(q, new, new, pos, impl="xla")
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
+
+
+def test_while_waiting_error_propagates_after_the_cpu_share(monkeypatch):
+  rng = np.random.default_rng(14)
+  k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
+  kv = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                 capacity=56).with_tactic("hybrid", 0.5)
+  done = []
+  real_cpu = cpu_lib.cpu_attention_tail
+  monkeypatch.setattr(cpu_lib, "cpu_attention_tail",
+                      lambda *a, **kw: (real_cpu(*a, **kw), done.append(1))[0])
+
+  def hook():
+    raise RuntimeError("from the hook")
+
+  with pytest.raises(RuntimeError, match="from the hook"):
+    kv.attend(jnp.zeros((1, 1, 8, 16), jnp.float32), k[:, :1], k[:, :1],
+              jnp.full((1, 1), 40, jnp.int32), impl="xla", while_waiting=hook)
+  assert done == [1]  # the worker's CPU share had finished when the error came out
+
+
+# One staged cell after the append, several, and an append that flushes a fifth tile: the early
+# puts then cover 2 of the 3 tiles streamed after it, so the per-tile path runs.
+@pytest.mark.parametrize("fill", [40, 44, 47])
+def test_tiles_one_program_attends_the_same(monkeypatch, fill):
+  # $RKV_TILES_ONE_PROGRAM=1: a hybrid decode step whose streamed tiles all came early attends
+  # them and merges the device partials in one program (the window and staging in another);
+  # the partials and their order are the same, so the result equals the default path.
+  rng = np.random.default_rng(16)
+  k = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  fresh = lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8,
+                                            capacity=64).with_tactic("hybrid", 0.4)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
+  args = (q, new, new, jnp.full((1, 1), fill, jnp.int32))
+  calls = []
+  real = rolling._tiles_merged_jit
+  monkeypatch.setattr(rolling, "_tiles_merged_jit",
+                      lambda *a, **kw: calls.append(len(a[3])) or real(*a, **kw))
+  off, _ = fresh().attend(*args, impl="xla")
+  assert not calls
+  monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "1")
+  kv = fresh()
+  on, _ = kv.attend(*args, impl="xla")
+  n_stream = rolling.streamed_count(kv.n_full_tiles, "hybrid", 0.4)
+  assert calls == ([] if fill == 47 else [n_stream]) and n_stream == 2
+  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)
+  ref, _ = rkv.attention(q, jnp.concatenate([k, new], 1), jnp.concatenate([v, new], 1),
+                         q_pos=args[3], impl="reference")
+  rtol, atol = TOLERANCES["float32"]["o"]
+  np.testing.assert_allclose(np.asarray(on), np.asarray(ref), rtol=rtol, atol=atol)
+  monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "often")
+  with pytest.raises(ValueError, match="RKV_TILES_ONE_PROGRAM"):
+    fresh().attend(*args, impl="xla")
+
+
+def test_early_q_copy_attends_the_same(monkeypatch):
+  # $RKV_EARLY_Q_COPY=1 requests q's host copy before the CPU share is submitted: same result.
+  rng = np.random.default_rng(15)
+  k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
+  kv = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                 capacity=56).with_tactic("hybrid", 0.5)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  args = (q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32))
+  off, _ = kv.attend(*args, impl="xla")
+  monkeypatch.setenv("RKV_EARLY_Q_COPY", "1")
+  on, _ = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8, capacity=56).with_tactic(
+      "hybrid", 0.5).attend(*args, impl="xla")
+  np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
+
+
+def test_switch_interval_is_set_for_host_kernel_steps_and_restored(monkeypatch):
+  import sys
+  k = jnp.zeros((1, 40, 2, 16), jnp.float32)
+  hybrid = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                     capacity=56).with_tactic("hybrid", 0.5)
+  streamed = hybrid.with_tactic("stream")
+  before = sys.getswitchinterval()
+  with rolling.host_kernel_switch_interval([hybrid]):
+    assert sys.getswitchinterval() == before  # unset: Python's own
+  monkeypatch.setenv("RKV_SWITCH_INTERVAL_US", "250")
+  with rolling.host_kernel_switch_interval([streamed]):
+    assert sys.getswitchinterval() == before  # no layer runs the CPU kernel
+  with pytest.raises(KeyError):
+    with rolling.host_kernel_switch_interval([streamed, hybrid]):
+      assert sys.getswitchinterval() == pytest.approx(250e-6)
+      raise KeyError("inside")
+  assert sys.getswitchinterval() == before
+  for bad in ("0", "-5", "fast", "inf"):
+    monkeypatch.setenv("RKV_SWITCH_INTERVAL_US", bad)
+    with pytest.raises(ValueError, match="RKV_SWITCH_INTERVAL_US"):
+      with rolling.host_kernel_switch_interval([hybrid]):
+        pass
+  assert sys.getswitchinterval() == before
 
 
 def test_auto_tactic():

@@ -482,6 +482,18 @@ def _join_programs(prev_defs, defs):
 # (merged in attend, then post), and the next layer's pre_attention as a third (an A/B switch,
 # read when layered_forward builds its step).
 JOIN_ENV = "RKV_JOIN_LAYERS"
+# $RKV_NEXT_PUTS=1: while a rolling layer's host thread waits for its CPU share (a hybrid decode
+# step), it requests the next rolling layer's first streamed tiles (rkv.rolling.early_puts,
+# handed to that layer as ``staged``) instead of that layer doing so itself, first thing. Why
+# (the 2M int8 trace, benchmarks/results/beyond_hbm/session17/b/, a 5.3 ms layer): the layer's
+# chain was the CPU share (the worker began 0.9 ms in, its q copy took 0.8, the kernel 2.4),
+# the main thread waited for it 0.8 ms, and the PCIe link idled 1.4 ms a layer: the puts' ~0.7
+# ms of Python ran at the start of each layer, holding the GIL the worker needed to start, and
+# they queued the query's copy on PJRT's host threads. Moved into the wait, they cost the host
+# nothing, the link gets the next layer's tiles at once, and the worker starts first. At most as
+# many tiles are on the device as before: the next layer's early puts, with this layer's in
+# flight. Read at each step; off by default until measured on the H200.
+NEXT_PUTS_ENV = "RKV_NEXT_PUTS"
 
 
 def _split_flat(node):
@@ -591,6 +603,10 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
                        "or jit_forward)")
     tokens, positions, caches = model.check_inputs(tokens, positions, caches,
                                                    where="layered_forward")
+    with rolling_lib.host_kernel_switch_interval(caches):
+      return run_step(tokens, positions, caches)
+
+  def run_step(tokens, positions, caches):
     if not (planned[0] is not None and len(planned[0]) == len(caches)
             and all(a is b for a, b in zip(planned[0], caches))):
       plan_prefetch(caches)
@@ -599,6 +615,17 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
              if fused else None)
     pending = None  # (layer, its parts, o dtype): a rolling layer before its merge and post
+    # Layer -> its first streamed tiles, put while the layer before it waited ($RKV_NEXT_PUTS).
+    ahead = {} if chain is None and validation.env_switch(NEXT_PUTS_ENV, False) else None
+
+    def put_next(j, q):
+      nxt, kw_j = caches[j], attn_kw[j]
+      tiles = rolling_lib.early_puts(
+          nxt, q, tactic=nxt.tactic, cpu_fraction=nxt.cpu_fraction,
+          schedule=kw_j.get("schedule", rolling_lib.DEFAULT_SCHEDULE),
+          lookahead=kw_j.get("lookahead", rolling_lib.DEFAULT_LOOKAHEAD))
+      if tiles:
+        ahead[j] = tiles
 
     def close(x):
       j, parts, o_dtype = pending
@@ -632,8 +659,15 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
             q, k, v = pre(leaves, x, rope_cs)
         kw = attn_kw[i]
         if joins is not None and isinstance(cache, cache_lib.RollingKV):
+          hook = None
+          if ahead is not None:
+            if i in ahead:
+              kw = dict(kw, staged=ahead.pop(i))
+            if i + 1 < len(caches) and isinstance(caches[i + 1], cache_lib.RollingKV):
+              hook = functools.partial(put_next, i + 1, q)
           with jax.profiler.TraceAnnotation("rkv.layer.attend"):
-            parts, cache = cache.attend(q, k, v, positions, merge=False, **kw)
+            parts, cache = cache.attend(q, k, v, positions, merge=False, while_waiting=hook,
+                                        **kw)
           pending = (i, parts, np.dtype(q.dtype))
           new_caches.append(cache)
           continue

@@ -1,0 +1,68 @@
+# Session 18's plan for the H200 (written on a session with no GPU lent; nothing in it has run
+# yet). The 2M int8 trace of session 17 (benchmarks/results/beyond_hbm/session17/b/, read event
+# by event on the CPU machine: docs/DESIGN.md §7, "the 2M int8 layer, event by event") put a
+# hybrid layer's 5.3 ms on its CPU chain: the worker began 0.9 ms in (the GIL held by the main
+# thread's tile puts), its query copy took 0.8 ms, the kernel 2.4, the join's dispatch 0.74,
+# while the PCIe link idled 1.4 ms a layer and the main thread waited 0.8. Four switches, each
+# off by default until this measures them:
+#   RKV_NEXT_PUTS=1           the next layer's first tiles put while this layer waits for its CPU
+#                             share (rkv.models.transformer.NEXT_PUTS_ENV)
+#   RKV_EARLY_Q_COPY=1        the query's host copy requested before the CPU share is submitted
+#   RKV_TILES_ONE_PROGRAM=1   a hybrid layer's staged tiles attended and merged in one program
+#   RKV_SWITCH_INTERVAL_US=N  the GIL switch interval during steps with cpu / hybrid layers
+# Each part is one device call (10 minutes at most):
+#   bash benchmarks/session18_h200.sh a   # 2M int8 on one machine, alternating: the default,
+#                                         # all four on, twice each; then each alone
+#   bash benchmarks/session18_h200.sh b   # a traced 2M int8 step with all four on; 1M and 128K
+#                                         # half-offloaded with all four on and off
+#   bash benchmarks/session18_h200.sh c   # the GPU-only tests, then the machine's probe and 2M
+#                                         # int8 planned on it, default and all on
+# Rows are planned on the shipped v3 profile, like the table's, unless named _probed.
+# Results: benchmarks/results/beyond_hbm/session18/{a,b,c}/.
+D=/tmp/s18 NAME=s18 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+# All four switches on, for the command that follows (a function or a program).
+all_on() {
+  RKV_NEXT_PUTS=1 RKV_EARLY_Q_COPY=1 RKV_TILES_ONE_PROGRAM=1 RKV_SWITCH_INTERVAL_US=200 "$@"
+}
+int8_2m() {  # TAG
+  T=150 run $1 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
+}
+host() { { uptime; nproc; lscpu | grep -E "Model name|MHz|Flags"; } > $D/host_$PART.txt 2>&1; }
+case "$PART" in
+  a)
+    host
+    int8_2m 2m_int8_default1
+    all_on int8_2m 2m_int8_all1
+    int8_2m 2m_int8_default2
+    all_on int8_2m 2m_int8_all2
+    RKV_NEXT_PUTS=1 int8_2m 2m_int8_next_puts
+    RKV_EARLY_Q_COPY=1 int8_2m 2m_int8_q_copy
+    RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_one_program
+    RKV_SWITCH_INTERVAL_US=200 int8_2m 2m_int8_switch
+    ;;
+  b)
+    host
+    T=170 all_on trace 2m_int8_all --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 \
+      --steps=4 --trace_steps=2
+    for side in default all; do
+      pre=; [ $side = all ] && pre=all_on
+      T=130 $pre run 1m_$side --configs=rkv_offload --budget=auto --contexts=1048576
+      T=90 $pre run half128_$side --configs=rkv_offload --contexts=131072
+    done
+    ;;
+  c)
+    host
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 250 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -1; pack
+    if [ -f $D/profile_probe.json ]; then
+      P=$D/profile_probe.json int8_2m 2m_int8_default_probed
+      P=$D/profile_probe.json all_on int8_2m 2m_int8_all_probed
+    fi
+    ;;
+esac
+echo "== done $(date +%T)"
