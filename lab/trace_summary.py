@@ -72,6 +72,73 @@ def link_gaps(lines: dict, large_ns: int = SMALL_COPY_NS, idle_ns: int = IDLE_GA
               large_ns=large_ns, idle_ns=idle_ns)
 
 
+def _clip_union(intervals, lo, hi) -> int:
+  return union_ns([(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi])
+
+
+def layer_chain(main, worker, h2d, d2h, large_ns: int = SMALL_COPY_NS) -> dict:
+  """A hybrid (or cpu) decode step's layers, event by event: what each layer's time went to.
+
+  ``main``: the dispatching thread's ``rkv.*`` spans ``[(start_ns, duration_ns, name)]`` (the
+  thread of ``rkv.layer.attend``); ``worker``: the CPU share's (``rkv.cpu.*``, the worker
+  thread's); ``h2d``: the device's host-to-device copies ``[(start, duration)]`` (all streams);
+  ``d2h``: its device-to-host copies. A layer is the time from one ``rkv.layer.attend`` to the
+  next (the last of a step, followed by the logits, is dropped: its window is not a layer).
+
+  Per layer, offsets from the layer's start: when the worker began (``rkv.cpu.tail``), its query
+  copy (``rkv.cpu.q_to_host``) and when the device-to-host copy it waited for ran, the setup
+  before the kernel, the kernel (``rkv.cpu.kernel``); the main thread's append, stream dispatch,
+  wait for the worker (``rkv.cpu.wait``) and the next layer's join; the PCIe link's busy and idle
+  time (tile copies of at least ``large_ns``). Returns the medians over layers (ns) and the
+  layer count; ``chain_ns`` is the worker's path: its start offset through the end of its
+  kernel, plus the main thread's time from the end of its wait to the next layer (merge and
+  join)."""
+  starts = sorted(a for a, _, n in main if n == "rkv.layer.attend")
+  if len(starts) < 2:
+    return dict(layers=0)
+  periods = [b - a for a, b in zip(starts, starts[1:])]
+  typical = statistics.median(periods)
+  large = [(a, a + d) for a, d in h2d if d >= large_ns]
+  rows = collections.defaultdict(list)
+
+  def first(spans, name, lo, hi):
+    hits = [(a, d) for a, d, n in spans if n == name and lo <= a < hi]
+    return min(hits) if hits else None
+
+  for lo, hi in zip(starts, starts[1:]):
+    if hi - lo > 2 * typical:  # a step boundary (logits, sampling, the next step's entry)
+      continue
+    rows["layer_ns"].append(hi - lo)
+    busy = _clip_union(large, lo, hi)
+    rows["link_busy_ns"].append(busy)
+    rows["link_idle_ns"].append(hi - lo - busy)
+    for key, name in (("append", "rkv.append"), ("dispatch", "rkv.stream.dispatch"),
+                      ("wait", "rkv.cpu.wait"), ("join", "rkv.layer.join")):
+      hit = first(main, name, lo, hi)
+      if hit is not None:
+        rows[f"main_{key}_ns"].append(hit[1])
+    wait = first(main, "rkv.cpu.wait", lo, hi)
+    tail = first(worker, "rkv.cpu.tail", lo, hi)
+    q = first(worker, "rkv.cpu.q_to_host", lo, hi)
+    kernel = first(worker, "rkv.cpu.kernel", lo, hi)
+    if tail is None or q is None or kernel is None:
+      continue
+    rows["worker_start_ns"].append(tail[0] - lo)
+    rows["q_to_host_ns"].append(q[1])
+    copies = sorted(a + d for a, d in d2h if a >= q[0] and a + d <= q[0] + q[1])
+    if copies:
+      rows["q_copy_done_after_request_ns"].append(copies[0] - q[0])
+    rows["setup_ns"].append(kernel[0] - (q[0] + q[1]))
+    rows["kernel_ns"].append(kernel[1])
+    kernel_end = kernel[0] + kernel[1]
+    if wait is not None:
+      rows["chain_ns"].append(kernel_end - lo + hi - (wait[0] + wait[1]))
+  out = {k: statistics.median(v) for k, v in sorted(rows.items())}
+  out["layers"] = len(rows["layer_ns"])
+  out["large_ns"] = large_ns
+  return out
+
+
 def summarize(xplane_path: str, top: int) -> dict:
   """Per device plane: each line's (stream's) busy ns and top events by total ns, the union of
   each kind's busy time, the small host-to-device copies queued behind tiles
@@ -86,6 +153,8 @@ def summarize(xplane_path: str, top: int) -> dict:
     pd = jax.profiler.ProfileData.from_file(xplane_path)
   out = dict(devices={}, host_spans={})
   lo, hi = None, None
+  copies = {}  # device plane -> (its H2D copies, its D2H copies), for layer_chain
+  threads = dict(main=[], worker=[])  # rkv.* spans of the dispatching thread and of the worker
   for plane in pd.planes:
     if plane.name.startswith("/device:GPU"):
       lines = {}
@@ -117,15 +186,26 @@ def summarize(xplane_path: str, top: int) -> dict:
       out.setdefault("busy_union_ns", {})[plane.name] = {k: union_ns(v) for k, v in spans.items()}
       out.setdefault("h2d_small_copies", {})[plane.name] = small_copies_behind_large(h2d)
       out.setdefault("link_gaps", {})[plane.name] = link_gaps(h2d)
+      copies[plane.name] = ([x for ev in h2d.values() for x in ev],
+                            [(e.start_ns, e.duration_ns) for line in plane.lines
+                             if "MemcpyD2H" in line.name for e in line.events])
     elif plane.name.startswith("/host:CPU"):
       spans = collections.defaultdict(list)
       for line in plane.lines:
-        for e in line.events:
-          if e.name.startswith("rkv."):
-            spans[e.name].append(e.duration_ns)
+        named = [(e.start_ns, e.duration_ns, e.name) for e in line.events
+                 if e.name.startswith("rkv.")]
+        for _, d, n in named:
+          spans[n].append(d)
+        if any(n == "rkv.layer.attend" for _, _, n in named):
+          threads["main"] += named
+        elif any(n == "rkv.cpu.tail" for _, _, n in named):
+          threads["worker"] += named
       out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
                            for n, d in sorted(spans.items())}
   out["device_window_ns"] = None if lo is None else hi - lo
+  if threads["worker"]:
+    out["layer_chain"] = {name: layer_chain(threads["main"], threads["worker"], h2d_all, d2h_all)
+                          for name, (h2d_all, d2h_all) in copies.items()}
   return out
 
 

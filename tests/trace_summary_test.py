@@ -65,3 +65,33 @@ def test_summarize_reads_a_kept_gzipped_trace(tmp_path):
   trace_summary.main([str(out), str(gz)])
   assert json.load(open(out))["kept.xplane.pb.gz"]["host_spans"] == json.loads(
       json.dumps(plain["host_spans"]))
+
+
+def test_layer_chain_of_synthetic_layers():
+  # Two layers of 5 ms (a third start closes the second), and a step boundary after them that
+  # is not a layer. Per layer: the worker begins 0.8 ms in, its query copy takes 0.8 (the D2H
+  # copy done 0.4 after the request), 0.3 of setup, a 2.4 ms kernel; the main thread waits
+  # 3.6-4.4 and the next join runs 4.5-5.0; the link copies 1.0-4.0.
+  from lab.trace_summary import layer_chain
+  ms = 1_000_000
+  main, worker, h2d, d2h = [], [], [], []
+  for lo in (0, 5 * ms):
+    main += [(lo, 4 * ms, "rkv.layer.attend"), (lo + int(1.1 * ms), ms, "rkv.append"),
+             (lo + int(3.6 * ms), int(0.8 * ms), "rkv.cpu.wait"),
+             (lo + int(4.5 * ms), ms // 2, "rkv.layer.join")]
+    worker += [(lo + int(0.8 * ms), int(3.6 * ms), "rkv.cpu.tail"),
+               (lo + int(0.8 * ms), int(0.8 * ms), "rkv.cpu.q_to_host"),
+               (lo + int(1.9 * ms), int(2.4 * ms), "rkv.cpu.kernel")]
+    h2d += [(lo + ms, int(1.5 * ms)), (lo + int(2.5 * ms), int(1.5 * ms)), (lo + ms, 5000)]
+    d2h += [(lo + int(1.19 * ms), int(0.01 * ms))]
+  main += [(10 * ms, 4 * ms, "rkv.layer.attend"), (30 * ms, ms, "rkv.layer.attend")]
+  got = layer_chain(main, worker, h2d, d2h)
+  assert got["layers"] == 2
+  want = dict(layer_ns=5 * ms, worker_start_ns=0.8 * ms, q_to_host_ns=0.8 * ms,
+              q_copy_done_after_request_ns=0.4 * ms, setup_ns=0.3 * ms, kernel_ns=2.4 * ms,
+              main_append_ns=ms, main_wait_ns=0.8 * ms, main_join_ns=0.5 * ms,
+              link_busy_ns=3 * ms, link_idle_ns=2 * ms,
+              chain_ns=(4.3 + 0.6) * ms)  # kernel end 4.3, then wait end 4.4 -> next layer 5.0
+  for key, value in want.items():
+    assert abs(got[key] - value) < 2, (key, got[key], value)
+  assert layer_chain(main[:1], worker, h2d, d2h) == dict(layers=0)
