@@ -17,6 +17,8 @@
 #                                         # half-offloaded with all four on and off
 #   bash benchmarks/session18_h200.sh c   # the GPU-only tests, then the machine's probe and 2M
 #                                         # int8 planned on it, default and all on
+# With RKV_NEXT_PUTS=1 the planner's reserve counts the next layer's tiles too (4 more tiles: 267
+# MB less window at 2M int8), so those rows' plans differ a little: each row records its own.
 # Rows are planned on the shipped v3 profile, like the table's, unless named _probed.
 # Results: benchmarks/results/beyond_hbm/session18/{a,b,c}/.
 D=/tmp/s18 NAME=s18 PART=${1:-a}

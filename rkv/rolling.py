@@ -96,6 +96,12 @@ def _partial_pair(q, q_pos, first, second, **kw):
 _partial_pair_jit = jax.jit(_partial_pair, static_argnames=_STATIC)
 
 
+def _as_tile(block) -> stream.Tile:
+  """A :class:`rkv.KVBlock` (or a tile) as a :class:`rkv.offload.stream.Tile`: the pytree every
+  device partial's program takes, so blocks of one shape share one compiled program."""
+  return stream.Tile(block.k, block.v, block.pos, block.k_scale, block.v_scale)
+
+
 def _tiles_merged(q, q_pos, parts, tiles, *, out_dtype, **kw):
   """The partial of every tile of ``tiles`` (already on the device) merged with ``parts`` (the
   window's and staging's partials, dispatched before): one program."""
@@ -117,7 +123,7 @@ _tiles_merged_jit = jax.jit(_tiles_merged, static_argnames=_STATIC + ("out_dtype
 def _tiles(kv: cache_lib.RollingKV, n: int, staged=None) -> tuple[stream.Tile, ...]:
   """The first ``n`` full tiles; the first ones replaced by ``staged`` (the same tiles already on
   the device, from a :class:`rkv.offload.stream.Prefetcher`)."""
-  host = tuple(stream.Tile(t.k, t.v, t.pos, t.k_scale, t.v_scale) for t in kv.tail_tiles[:n])
+  host = tuple(_as_tile(t) for t in kv.tail_tiles[:n])
   if not staged:
     return host
   m = min(len(staged), n)
@@ -254,8 +260,7 @@ def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_sta
             window, softcap, scale, impl, schedule, lookahead, partial_fn, out_dtype=None):
   kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl)
   # Tiles, not KVBlocks: the staging partial then reuses the tile program (same pytree, shapes).
-  as_tile = lambda b: stream.Tile(b.k, b.v, b.pos, b.k_scale, b.v_scale)
-  window_block, staging_block = as_tile(window_block), as_tile(staging_block)
+  window_block, staging_block = _as_tile(window_block), _as_tile(staging_block)
 
   def resident():
     if use_window and use_staging and partial_fn is _partial_jit:
@@ -601,8 +606,7 @@ def _staged_device_part(q, q_pos, kv, tiles, static):
   window and staging partials (one program), then the tiles' partials merged with them (another;
   ``$RKV_TILES_ONE_PROGRAM``)."""
   kw = {n: static[n] for n in _STATIC}
-  as_tile = lambda b: stream.Tile(b.k, b.v, b.pos, b.k_scale, b.v_scale)
-  w, st = as_tile(kv.window), as_tile(kv.staging)
+  w, st = _as_tile(kv.window), _as_tile(kv.staging)
   if static["use_window"] and static["use_staging"]:
     parts = _partial_pair_jit(q, q_pos, w, st, **kw)
   elif static["use_window"] or static["use_staging"]:

@@ -236,6 +236,23 @@ def test_reserve_terms_by_hand_llama3_8b():
     assert name in text
 
 
+def test_reserve_counts_the_next_layers_tiles_with_next_puts(monkeypatch):
+  # $RKV_NEXT_PUTS=1 (layered_forward puts the next layer's first tiles while a layer waits): up
+  # to lookahead of them sit beside the attending layer's lookahead + 1; not with a prefetcher
+  # (layered_forward then has no next puts).
+  la = rkv.offload.stream.DEFAULT_LOOKAHEAD
+  off = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, **LLAMA3_8B_SIZES)
+  on = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, next_puts=True, **LLAMA3_8B_SIZES)
+  assert on.bytes_of("tiles") == (2 * la + 1) * 128 * MIB
+  assert off.bytes_of("tiles") == (la + 1) * 128 * MIB
+  assert "9 (lookahead + 1 + lookahead of the next layer's) x 32768 cells" in on.describe()
+  monkeypatch.setenv("RKV_NEXT_PUTS", "1")  # the default follows the switch
+  assert rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768,
+                           **LLAMA3_8B_SIZES).bytes_of("tiles") == on.bytes_of("tiles")
+  pf = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
+  assert pf.bytes_of("tiles") == 8 * 128 * MIB
+
+
 def test_reserve_scales_with_batch_and_falls_back_without_model_sizes():
   one = rz.derive_reserve(LLAMA3_8B, 1, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)
   four = rz.derive_reserve(LLAMA3_8B, 4, tile_cells=32768, prefetch_tiles=8, **LLAMA3_8B_SIZES)

@@ -485,15 +485,17 @@ JOIN_ENV = "RKV_JOIN_LAYERS"
 # $RKV_NEXT_PUTS=1: while a rolling layer's host thread waits for its CPU share (a hybrid decode
 # step), it requests the next rolling layer's first streamed tiles (rkv.rolling.early_puts,
 # handed to that layer as ``staged``) instead of that layer doing so itself, first thing. Why
-# (the 2M int8 trace, benchmarks/results/beyond_hbm/session17/b/, a 5.3 ms layer): the layer's
-# chain was the CPU share (the worker began 0.9 ms in, its q copy took 0.8, the kernel 2.4),
-# the main thread waited for it 0.8 ms, and the PCIe link idled 1.4 ms a layer: the puts' ~0.7
-# ms of Python ran at the start of each layer, holding the GIL the worker needed to start, and
-# they queued the query's copy on PJRT's host threads. Moved into the wait, they cost the host
-# nothing, the link gets the next layer's tiles at once, and the worker starts first. At most as
-# many tiles are on the device as before: the next layer's early puts, with this layer's in
-# flight. Read at each step; off by default until measured on the H200.
-NEXT_PUTS_ENV = "RKV_NEXT_PUTS"
+# (the 2M int8 trace, benchmarks/results/beyond_hbm/session17/b/, medians of its layers in
+# beyond_hbm/layer_chains.json): a 5.46 ms layer was the CPU share's chain (the worker began 0.84
+# ms in, its query copy took 0.81, the kernel 2.40), the main thread waited for it 0.74 ms and the
+# PCIe link idled 1.88: the puts' ~0.7 ms of Python ran first in each layer, holding the GIL the
+# worker needed to start, and the query's copy queued behind them on PJRT's host threads. In the
+# wait they cost the host little and the link gets the next layer's tiles at once. On the device
+# meanwhile: this layer's tiles in flight and up to lookahead of the next layer's, which the
+# planner's reserve counts when the switch is on (rkv.planner.budget.derive_reserve). Session 6's
+# form (the puts right after the merge) was slower at 1M, where the link was busy
+# (docs/DESIGN.md §7). Read at each step; off by default until measured on the H200.
+NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 
 
 def _split_flat(node):
@@ -616,7 +618,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
              if fused else None)
     pending = None  # (layer, its parts, o dtype): a rolling layer before its merge and post
     # Layer -> its first streamed tiles, put while the layer before it waited ($RKV_NEXT_PUTS).
-    ahead = {} if chain is None and validation.env_switch(NEXT_PUTS_ENV, False) else None
+    ahead = {} if chain is None and stream_lib.next_puts_on() else None
 
     def put_next(j, q):
       nxt, kw_j = caches[j], attn_kw[j]

@@ -204,6 +204,16 @@ def stream_attention(tiles: Sequence[Tile], attend: Callable[[Tile], Partial], *
 # At B=8 x 128K (two tiles a layer, hybrid; the link idles ~1.3 ms a layer) it was no faster
 # either: 1 / 2 tiles 48.84, 56.60 / 55.77 tok/s against 51.73 / 57.18 off (session9/c/).
 PREFETCH_TILES_ENV = "RKV_PREFETCH_TILES"
+# $RKV_NEXT_PUTS=1: layered_forward puts the next rolling layer's first streamed tiles while a
+# layer waits for its CPU share (rkv.models.transformer says why). Those tiles (up to
+# DEFAULT_LOOKAHEAD of them) are on the device beside the attending layer's lookahead + 1, and the
+# planner's reserve counts them when the switch is on (rkv.planner.budget.derive_reserve).
+NEXT_PUTS_ENV = "RKV_NEXT_PUTS"
+
+
+def next_puts_on() -> bool:
+  """``$RKV_NEXT_PUTS``, read now (off when unset)."""
+  return validation.env_switch(NEXT_PUTS_ENV, False)
 
 
 def _prefetch_tiles_from_env() -> int:

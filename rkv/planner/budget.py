@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # it is now derived from the run (:func:`derive_reserve`), term by term:
 # - Streamed tiles in flight: with a prefetcher (layered_forward's, off unless
 #   $RKV_PREFETCH_TILES is set), up to this many tail tiles of the next layers on the device;
-#   without one (0), the eager schedule's lookahead + 1 tiles of the layer attending.
+#   without one (0), the eager schedule's lookahead + 1 tiles of the layer attending, plus
+#   lookahead of the next layer's with $RKV_NEXT_PUTS=1 (rkv.offload.stream.NEXT_PUTS_ENV).
 DEFAULT_PREFETCH_TILES = stream_lib.DEFAULT_PREFETCH_TILES  # layered_forward's Prefetcher
 # - The prefill chunk whose activations are live at once: rkv.generate.DEFAULT_CHUNK (residency
 #   cannot import generate, which imports it; tests/device_memory_test.py checks they agree).
@@ -76,11 +77,13 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
                    prefetch_tiles: int = DEFAULT_PREFETCH_TILES,
                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, vocab_size: int | None = None,
                    hidden_size: int | None = None, intermediate_size: int | None = None,
-                   tile_bytes: int | None = None) -> Reserve:
+                   tile_bytes: int | None = None, next_puts: bool | None = None) -> Reserve:
   """The device memory a run needs beside its KV caches and weights, from what it runs:
 
   - ``tiles``: the streamed tail tiles on the device at once: ``prefetch_tiles`` of a prefetcher's
-    (when > 0), else the eager schedule's ``lookahead + 1`` of the layer attending; each
+    (when > 0), else the eager schedule's ``lookahead + 1`` of the layer attending, plus
+    ``lookahead`` of the next layer's when ``next_puts`` (default ``$RKV_NEXT_PUTS``: layered_forward
+    puts them while a layer waits for its CPU share); each
     ``B x tile_cells`` cells of all K heads (K/V and int8 scales; their positions are in the layout already). ``tile_bytes``
     replaces one tile's bytes (a plan's largest streamed tile; 0 when nothing streams). Capped
     like the prefetcher's own room (``rkv.offload.stream.prefetch_room``: at most
@@ -100,16 +103,23 @@ def derive_reserve(shape: AttentionShape, batch: int, *, tile_cells: int,
   sz = cell_sizes(shape, batch)
   b, k, d, h = batch, shape.num_kv_heads, shape.head_dim, shape.query_heads
   one_tile = b * tile_cells * sz.cell if tile_bytes is None else int(tile_bytes)
-  # Without a prefetcher the eager stream schedule holds lookahead + 1 tiles of a layer.
+  # Without a prefetcher the eager stream schedule holds lookahead + 1 tiles of a layer (and the
+  # next layer's first lookahead with $RKV_NEXT_PUTS; layered_forward has no next puts with a
+  # prefetcher).
+  if next_puts is None:
+    next_puts = stream_lib.next_puts_on()
+  ahead = stream_lib.DEFAULT_LOOKAHEAD if next_puts and not prefetch_tiles else 0
   in_flight = (stream_lib.prefetch_room(one_tile, prefetch_tiles) if prefetch_tiles
-               else (stream_lib.DEFAULT_LOOKAHEAD + 1) * one_tile)
+               else (stream_lib.DEFAULT_LOOKAHEAD + 1 + ahead) * one_tile)
   prefetched = bool(prefetch_tiles)
   if not prefetched:
-    prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1
+    prefetch_tiles = stream_lib.DEFAULT_LOOKAHEAD + 1 + ahead
   cap = (f", at most {stream_lib.DEFAULT_PREFETCH_BYTES / MIB:.0f} MiB"
          if stream_lib.prefetch_room(one_tile, prefetch_tiles) < prefetch_tiles * one_tile else "")
-  how_tile = (f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
-              else f"{prefetch_tiles}{'' if prefetched else ' (lookahead + 1)'} x {one_tile} bytes, "
+  why = "" if prefetched else (" (lookahead + 1 + lookahead of the next layer's)" if ahead
+                               else " (lookahead + 1)")
+  how_tile = (f"{prefetch_tiles}{why} x {tile_cells} cells x B={b} x K={k}{cap}" if tile_bytes is None
+              else f"{prefetch_tiles}{why} x {one_tile} bytes, "
                    f"the plan's largest streamed tile{cap}"
               if one_tile else "nothing streams")
   layers = min(DECODE_LAYERS_IN_FLIGHT, shape.num_layers)
