@@ -1,20 +1,26 @@
 # Session 18's plan for the H200 (written on a session with no GPU lent; nothing in it has run
-# yet). The 2M int8 trace of session 17 (benchmarks/results/beyond_hbm/session17/b/, read event
-# by event on the CPU machine: docs/DESIGN.md §7, "the 2M int8 layer, event by event") put a
-# hybrid layer's 5.3 ms on its CPU chain: the worker began 0.9 ms in (the GIL held by the main
-# thread's tile puts), its query copy took 0.8 ms, the kernel 2.4, the join's dispatch 0.74,
-# while the PCIe link idled 1.4 ms a layer and the main thread waited 0.8. Four switches, each
-# off by default until this measures them:
+# yet). The committed traces, read event by event on the CPU machine (`lab.trace_summary
+# .layer_chain`, benchmarks/results/beyond_hbm/layer_chains.json), put a hybrid layer's time on
+# the CPU share's chain: at 2M int8 (session17/b/) a 5.46 ms layer, the worker starting 0.84 ms
+# in (the main thread's tile puts hold the GIL first), its query copy 0.81 ms, setup 0.35, the
+# kernel 2.40, while the PCIe link idled 1.88 ms a layer and the main thread waited 0.74. Five
+# switches, each off by default until this measures them:
 #   RKV_NEXT_PUTS=1           the next layer's first tiles put while this layer waits for its CPU
-#                             share (rkv.models.transformer.NEXT_PUTS_ENV)
+#                             share (rkv.offload.stream.NEXT_PUTS_ENV; the reserve counts them)
 #   RKV_EARLY_Q_COPY=1        the query's host copy requested before the CPU share is submitted
+#   RKV_WORKER_FIRST=1        the main thread goes on only once the worker holds the GIL, so its
+#                             query copy and setup run before the layer's puts and append
 #   RKV_TILES_ONE_PROGRAM=1   a hybrid layer's staged tiles attended and merged in one program
-#   RKV_SWITCH_INTERVAL_US=N  the GIL switch interval during steps with cpu / hybrid layers
+#   RKV_SWITCH_INTERVAL_US=N  the GIL switch interval during steps with cpu / hybrid layers (an
+#                             alternative to RKV_WORKER_FIRST, which needs the long default)
 # Each part is one device call (10 minutes at most):
-#   bash benchmarks/session18_h200.sh a   # 2M int8 on one machine, alternating: the default,
-#                                         # all four on, twice each; then each alone
-#   bash benchmarks/session18_h200.sh b   # a traced 2M int8 step with all four on; 1M and 128K
-#                                         # half-offloaded with all four on and off
+#   bash benchmarks/session18_h200.sh a   # 2M int8 on one machine, alternating: the default and
+#                                         # all on (the first four), twice each; all with the
+#                                         # switch interval instead of the worker-first handoff;
+#                                         # next puts alone, with the handoff; the q copy alone
+#   bash benchmarks/session18_h200.sh b   # a traced 2M int8 step with all on; 1M and 128K
+#                                         # half-offloaded with all on and off; 2M int8 with the
+#                                         # one-program tiles alone and the handoff alone
 #   bash benchmarks/session18_h200.sh c   # the GPU-only tests, then the machine's probe and 2M
 #                                         # int8 planned on it, default and all on
 # With RKV_NEXT_PUTS=1 the planner's reserve counts the next layer's tiles too (4 more tiles: 267
@@ -23,9 +29,9 @@
 # Results: benchmarks/results/beyond_hbm/session18/{a,b,c}/.
 D=/tmp/s18 NAME=s18 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
-# All four switches on, for the command that follows (a function or a program).
+# The first four switches on, for the command that follows (a function or a program).
 all_on() {
-  RKV_NEXT_PUTS=1 RKV_EARLY_Q_COPY=1 RKV_TILES_ONE_PROGRAM=1 RKV_SWITCH_INTERVAL_US=200 "$@"
+  RKV_NEXT_PUTS=1 RKV_EARLY_Q_COPY=1 RKV_TILES_ONE_PROGRAM=1 RKV_WORKER_FIRST=1 "$@"
 }
 int8_2m() {  # TAG
   T=150 run $1 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
@@ -38,10 +44,11 @@ case "$PART" in
     all_on int8_2m 2m_int8_all1
     int8_2m 2m_int8_default2
     all_on int8_2m 2m_int8_all2
+    RKV_NEXT_PUTS=1 RKV_EARLY_Q_COPY=1 RKV_TILES_ONE_PROGRAM=1 RKV_SWITCH_INTERVAL_US=200 \
+      int8_2m 2m_int8_all_si200
     RKV_NEXT_PUTS=1 int8_2m 2m_int8_next_puts
+    RKV_NEXT_PUTS=1 RKV_WORKER_FIRST=1 int8_2m 2m_int8_next_puts_worker_first
     RKV_EARLY_Q_COPY=1 int8_2m 2m_int8_q_copy
-    RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_one_program
-    RKV_SWITCH_INTERVAL_US=200 int8_2m 2m_int8_switch
     ;;
   b)
     host
@@ -52,6 +59,8 @@ case "$PART" in
       T=130 $pre run 1m_$side --configs=rkv_offload --budget=auto --contexts=1048576
       T=90 $pre run half128_$side --configs=rkv_offload --contexts=131072
     done
+    RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_one_program
+    RKV_WORKER_FIRST=1 int8_2m 2m_int8_worker_first
     ;;
   c)
     host

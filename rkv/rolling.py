@@ -174,6 +174,18 @@ EARLY_CPU_ENV = "RKV_EARLY_CPU"
 # the whole q_to_host span was 0.6-0.8 ms of a 5.3 ms layer, on its critical path (q copy, CPU
 # kernel, merge, next layer's join). Off by default until measured on the H200.
 EARLY_Q_COPY_ENV = "RKV_EARLY_Q_COPY"
+# $RKV_WORKER_FIRST=1: early_cpu_share returns only once the worker has started (or after
+# WORKER_FIRST_TIMEOUT_S, should both workers be busy), so the worker holds the GIL first and
+# runs its query copy and setup up to the kernel call (which releases it) before this thread
+# goes on with the layer's puts and append; while the query is not ready yet, it waits with the
+# GIL released and this thread runs. Why: in the 2M int8 trace the worker started 0.84 ms into the
+# layer, when this thread first released the GIL, and its setup ran while this thread dispatched.
+# Session 7 waited instead until the kernel had started, the tiles' puts behind it, and measured
+# slower at 1M and 128K half, where the link is the bound (docs/DESIGN.md §7); with
+# $RKV_NEXT_PUTS those puts were issued in the previous layer's wait. Off by default until
+# measured on the H200.
+WORKER_FIRST_ENV = "RKV_WORKER_FIRST"
+WORKER_FIRST_TIMEOUT_S = 0.002
 
 
 def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
@@ -253,7 +265,17 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
                        cpu_threads=cpu_threads)
   if isinstance(q, jax.Array) and validation.env_switch(EARLY_Q_COPY_ENV, False):
     q.copy_to_host_async()  # the worker's np.asarray(q) then finds it in flight or done
-  return _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
+  if not validation.env_switch(WORKER_FIRST_ENV, False):
+    return _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
+  started = threading.Event()
+
+  def share():
+    started.set()  # this thread holds the GIL now, and keeps it until it blocks (q, the kernel)
+    return _annotated_cpu_tail(q, kv, **cpu_kw)
+
+  future = _executor().submit(share)
+  started.wait(WORKER_FIRST_TIMEOUT_S)  # the GIL is released while this waits
+  return future
 
 
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,

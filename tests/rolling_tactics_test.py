@@ -289,7 +289,8 @@ def test_decode_attend_starts_its_tail_before_the_append(monkeypatch, tactic, sh
   assert kv.n_full_tiles == 5  # 4 full tiles at 45 cells: a flush happened on the way
 
 
-@pytest.mark.parametrize("name", ["RKV_EARLY_CPU", "RKV_EARLY_PUTS", "RKV_EARLY_Q_COPY"])
+@pytest.mark.parametrize("name", ["RKV_EARLY_CPU", "RKV_EARLY_PUTS", "RKV_EARLY_Q_COPY",
+                                  "RKV_WORKER_FIRST"])
 def test_early_start_switches_refuse_bad_values(monkeypatch, name):
   rng = np.random.default_rng(12)
   k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
@@ -391,6 +392,30 @@ def test_tiles_one_program_attends_the_same(monkeypatch, fill):
   monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "often")
   with pytest.raises(ValueError, match="RKV_TILES_ONE_PROGRAM"):
     fresh().attend(*args, impl="xla")
+
+
+def test_worker_first_starts_the_cpu_share_before_the_puts(monkeypatch):
+  # $RKV_WORKER_FIRST=1: the CPU share's worker has started before attend goes on to the tile
+  # puts and the append; the result is the same.
+  from rkv.offload import stream
+  rng = np.random.default_rng(17)
+  k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
+  fresh = lambda: rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                            capacity=56).with_tactic("hybrid", 0.5)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  args = (q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32))
+  off, _ = fresh().attend(*args, impl="xla")
+  events = []
+  real_tail, real_puts = rolling._annotated_cpu_tail, stream.put_many_eager
+  monkeypatch.setattr(rolling, "_annotated_cpu_tail",
+                      lambda *a, **kw: events.append("worker") or real_tail(*a, **kw))
+  monkeypatch.setattr(stream, "put_many_eager",
+                      lambda *a, **kw: events.append("puts") or real_puts(*a, **kw))
+  monkeypatch.setattr(rolling, "WORKER_FIRST_TIMEOUT_S", 30.0)  # a loaded machine's wake-up
+  monkeypatch.setenv("RKV_WORKER_FIRST", "1")
+  on, _ = fresh().attend(*args, impl="xla")
+  assert events[:2] == ["worker", "puts"], events
+  np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
 
 
 def test_early_q_copy_attends_the_same(monkeypatch):
