@@ -26,7 +26,8 @@
 # With RKV_NEXT_PUTS=1 the planner's reserve counts the next layer's tiles too (4 more tiles: 267
 # MB less window at 2M int8), so those rows' plans differ a little: each row records its own.
 # Rows are planned on the shipped v3 profile, like the table's, unless named _probed.
-# Results: benchmarks/results/beyond_hbm/session18/{a,b,c}/.
+# Results: benchmarks/results/beyond_hbm/session18/{a,b,c}/; one line a row, with the medians of
+# each set of switches: python3 -m lab.ab_summary benchmarks/results/beyond_hbm/session18/a
 D=/tmp/s18 NAME=s18 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 # The first four switches on, for the command that follows (a function or a program).
