@@ -391,17 +391,35 @@ def _scales_to_host(x):
   return a.astype(np.float32, copy=False)
 
 
-def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
-               num_threads, chunk, tiles, where):
-  # --- q ---
-  with jax.profiler.TraceAnnotation("rkv.cpu.q_to_host"):
-    q = np.asarray(q)  # a device q comes down to the host here: [B,T,H,D], small
-    q_pos = None if q_pos is None else np.asarray(q_pos)
-  if q.ndim != 4:
-    raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {q.shape}")
-  if q.dtype not in _QUERY_DTYPES:
-    raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q.dtype}")
-  _, t, h, d = q.shape
+@dataclasses.dataclass
+class Prepared:
+  """A kernel call set up but for its query: ``args`` (the ``rkv_attn_args``, its ``q`` and
+  ``q_pos`` pointers still unset), what keeps its tables and buffers alive, the query's
+  ``[B,T,H,D]``, the cells ``s_total`` the positions index, and ``empty`` (no tile to attend:
+  the result is ``o = 0``, ``lse = -inf`` without a call)."""
+
+  args: object
+  keep: tuple
+  q_shape: tuple
+  s_total: int
+  num_threads: int
+  chunk: int
+  empty: bool
+
+
+def prepare(q_shape, q_dtype, k, v, *, k_pos, k_scale, v_scale, causal, window, softcap, scale,
+            num_threads, chunk, tiles, where) -> Prepared:
+  """Everything of a kernel call that does not read the query's values: the checks of ``k``,
+  ``v``, positions, scales and options against a query of ``q_shape`` / ``q_dtype``, the tile
+  tables and the argument struct. :func:`_attention` runs it for each call;
+  :class:`rkv.offload.host_share.HostShare` once per layer, its query then written by a C++
+  thread into the buffer its ``args.q`` names."""
+  q_shape = tuple(int(n) for n in q_shape)
+  if len(q_shape) != 4:
+    raise ValueError(f"{where}: q must be rank 4 ([B,T,H,D]), got shape {q_shape}")
+  if np.dtype(q_dtype) not in _QUERY_DTYPES:
+    raise ValueError(f"{where}: q dtype must be bfloat16, float16 or float32, got {q_dtype}")
+  _, t, h, d = q_shape
   # --- k, v: layout and dtype (no pointer taken yet) ---
   if not _is_tiles(k) and not isinstance(k, jax.Array):
     k = np.asarray(k)
@@ -430,7 +448,7 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
         or not 0 <= t0 <= t1 <= n_alloc:
       raise ValueError(f"{where}: tiles must be (start, stop) with 0 <= start <= stop <= "
                        f"N={n_alloc}, got {tiles!r}")
-  validation.check_query_against_kv(where, q.shape, kv_batch=b, kv_heads=kh, kv_head_dim=dk)
+  validation.check_query_against_kv(where, q_shape, kv_batch=b, kv_heads=kh, kv_head_dim=dk)
   s_total = n_alloc * tile
   quant = kdt == np.dtype(np.int8)
   if quant:
@@ -447,14 +465,6 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   # --- positions ---
   if k_pos is None:
     k_pos = np.broadcast_to(np.arange(s_total, dtype=np.int32), (b, s_total))
-  if q_pos is None:
-    q_pos = np.broadcast_to(np.arange(t, dtype=np.int32) + (s_total - t), (b, t))
-  validation.check_positions_int32(where, "q_pos", q_pos)  # before the int32 cast would wrap it
-  q_pos = np.asarray(q_pos)
-  if not np.issubdtype(q_pos.dtype, np.integer):
-    raise ValueError(f"{where}: q_pos must be an integer array, got {q_pos.dtype}")
-  if q_pos.shape != (b, t):
-    raise ValueError(f"{where}: q_pos must have shape {(b, t)}, got {q_pos.shape}")
 
   def named(fn, nm):
     def wrapped(x):
@@ -477,20 +487,15 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     if scales[0].ptrs and (sdt[0] != sdt[1] or sdt[0] not in _SCALE_CODES):
       raise ValueError(f"{where}: k_scale and v_scale must both be float32 or both bfloat16, got "
                        f"k_scale {sdt[0]} and v_scale {sdt[1]}")
-
-  o = np.zeros((b, t, h, d), np.float32)
-  lse = np.full((b, t, h), -np.inf, np.float32)
+  args = _Args()
+  common = dict(q_shape=q_shape, s_total=s_total, num_threads=int(num_threads or 0),
+                chunk=int(chunk or 0))
   if t1 == t0 or tile == 0:
-    return o, lse
+    return Prepared(args=args, keep=(), empty=True, **common)
   kt = _table(k, "k", where, rest=(kh, d), rest_names=",K,D", **geo)
   vt = _table(v, "v", where, rest=(kh, d), rest_names=",K,D", **geo)
   if d > 1 and (kt.strides[-1] != 1 or vt.strides[-1] != 1):
     raise ValueError(f"{where}: k/v head dim must be contiguous")
-  qf = np.ascontiguousarray(q, dtype=np.float32)
-  qp = np.ascontiguousarray(q_pos, dtype=np.int32)
-
-  args = _Args()
-  args.q, args.q_pos = qf.ctypes.data, qp.ctypes.data
   tables = [kt.c_array(), vt.c_array(), pos.c_array()]
   args.k_tiles, args.v_tiles, args.pos_tiles = (ctypes.cast(x, ctypes.POINTER(ctypes.c_void_p))
                                                 for x in tables)
@@ -509,15 +514,48 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   args.window = 0 if window is None else int(window)
   args.softcap = 0.0 if softcap is None else float(softcap)
   args.scale = float(scale)
-  keep = (kt, vt, pos, scales, tables, qf, qp)  # alive until the call returns
-  with jax.profiler.TraceAnnotation("rkv.cpu.kernel"):
-    rc = _lib().rkv_cpu_attention(ctypes.byref(args), int(num_threads or 0), int(chunk or 0),
-                                  o.ctypes.data, lse.ctypes.data)
-  del keep
+  return Prepared(args=args, keep=(kt, vt, pos, scales, tables), empty=False, **common)
+
+
+def raise_for_rc(rc: int, where: str) -> None:
   if rc == -1:
     raise MemoryError(f"{where}: the CPU kernel could not allocate its work buffers")
   if rc != 0:
     raise RuntimeError(f"{where}: the CPU kernel rejected its arguments (rc={rc})")
+
+
+def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
+               num_threads, chunk, tiles, where):
+  # --- q ---
+  with jax.profiler.TraceAnnotation("rkv.cpu.q_to_host"):
+    q = np.asarray(q)  # a device q comes down to the host here: [B,T,H,D], small
+    q_pos = None if q_pos is None else np.asarray(q_pos)
+  prep = prepare(q.shape, q.dtype, k, v, k_pos=k_pos, k_scale=k_scale, v_scale=v_scale,
+                 causal=causal, window=window, softcap=softcap, scale=scale,
+                 num_threads=num_threads, chunk=chunk, tiles=tiles, where=where)
+  b, t, h, d = prep.q_shape
+  if q_pos is None:
+    q_pos = np.broadcast_to(np.arange(t, dtype=np.int32) + (prep.s_total - t), (b, t))
+  validation.check_positions_int32(where, "q_pos", q_pos)  # before the int32 cast would wrap it
+  q_pos = np.asarray(q_pos)
+  if not np.issubdtype(q_pos.dtype, np.integer):
+    raise ValueError(f"{where}: q_pos must be an integer array, got {q_pos.dtype}")
+  if q_pos.shape != (b, t):
+    raise ValueError(f"{where}: q_pos must have shape {(b, t)}, got {q_pos.shape}")
+  o = np.zeros((b, t, h, d), np.float32)
+  lse = np.full((b, t, h), -np.inf, np.float32)
+  if prep.empty:
+    return o, lse
+  qf = np.ascontiguousarray(q, dtype=np.float32)
+  qp = np.ascontiguousarray(q_pos, dtype=np.int32)
+  args = prep.args
+  args.q, args.q_pos = qf.ctypes.data, qp.ctypes.data
+  keep = (prep, qf, qp)  # alive until the call returns
+  with jax.profiler.TraceAnnotation("rkv.cpu.kernel"):
+    rc = _lib().rkv_cpu_attention(ctypes.byref(args), prep.num_threads, prep.chunk,
+                                  o.ctypes.data, lse.ctypes.data)
+  del keep
+  raise_for_rc(rc, where)
   return o, lse
 
 

@@ -1,0 +1,148 @@
+"""A layer's CPU share run by a C++ thread, started and awaited inside jitted programs.
+
+Experimental (session 18; correct on the CPU backend, not yet run on a GPU). The Python path of a
+hybrid layer (``rkv.rolling``) runs the CPU kernel in a Python worker thread that must take the
+GIL to start, to bring the query down and to set the kernel up: ~2 ms of a 5.5 ms layer at 2M
+int8 on the H200 before the kernel ran (docs/DESIGN.md §6, "the layer chain"). A
+:class:`HostShare` keeps the kernel's arguments set up (:meth:`configure`, once per tile layout)
+and a C++ worker waiting; two XLA FFI custom calls drive it from inside programs:
+
+- ``token = share.start(q, q_pos)`` where ``q [B,T,H,D]`` is made: the query and its positions
+  go into the share's host buffers (on CUDA: copies enqueued on the program's stream, and a host
+  function wakes the worker when they have landed: no host thread in between) and the kernel
+  runs over the configured tail tiles;
+- ``o, lse = share.wait(token)`` where the partial is merged: blocks until that kernel is done
+  and returns its float32 partial, which merges exactly with the device partials
+  (:func:`rkv.merge`).
+
+Starts and waits of one share alternate; the wait takes its start's token, which orders it after
+the start also inside one program. Built on first use (:mod:`rkv.offload.share_build`: a C++
+compiler and jaxlib's FFI headers). The library never holds the GIL, so nothing here waits for
+Python threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkv.offload import cpu_attention as cpu_lib
+from rkv.offload import memory
+from rkv.offload import share_build
+
+START_TARGET = "rkv_share_start"
+WAIT_TARGET = "rkv_share_wait"
+
+
+@functools.lru_cache(maxsize=None)
+def _registered() -> ctypes.CDLL:
+  """The library, its handlers registered with XLA for the CPU and CUDA platforms (once)."""
+  lib = share_build.load_library()
+  for platform, start, wait in (("cpu", lib.RkvShareStartCpu, lib.RkvShareWaitCpu),
+                                ("CUDA", lib.RkvShareStartCuda, lib.RkvShareWaitCuda)):
+    jax.ffi.register_ffi_target(START_TARGET, jax.ffi.pycapsule(start), platform=platform)
+    jax.ffi.register_ffi_target(WAIT_TARGET, jax.ffi.pycapsule(wait), platform=platform)
+  return lib
+
+
+def _scratch(shape, dtype):
+  """A host buffer the worker and the copies use: pinned host memory of the GPU client when
+  there is a GPU (so the stream's copies are DMA), plain numpy on a CPU backend. Returns
+  ``(owner, pointer)``."""
+  if jax.default_backend() == "gpu":
+    x = jax.device_put(np.zeros(shape, dtype), memory.sharding(memory.PINNED_HOST))
+    x.block_until_ready()
+    return x, x.unsafe_buffer_pointer()
+  x = np.zeros(shape, dtype)
+  return x, x.ctypes.data
+
+
+class HostShare:
+  """One layer's CPU share for queries of ``q_shape`` ``[B,T,H,D]`` (see the module docstring).
+
+  :meth:`configure` with the cache and the tiles the CPU attends before the first start, and
+  again whenever those tiles change (a flush); :meth:`start` / :meth:`wait` inside jitted
+  programs, in that order. The worker thread lives as long as the object."""
+
+  def __init__(self, q_shape):
+    q_shape = tuple(int(n) for n in q_shape)
+    if len(q_shape) != 4 or min(q_shape) < 1:
+      raise ValueError(f"HostShare: q_shape must be [B,T,H,D] of positive sizes, got {q_shape}")
+    self.q_shape = q_shape
+    b, t, h, d = q_shape
+    self._lib = _registered()
+    kernel = ctypes.cast(cpu_lib._lib().rkv_cpu_attention, ctypes.c_void_p).value
+    self._handle = self._lib.rkv_share_new(kernel)
+    self._finalizer = weakref.finalize(self, self._lib.rkv_share_free, self._handle)
+    self._q = _scratch(q_shape, np.float32)
+    self._q_pos = _scratch((b, t), np.int32)
+    self._o = _scratch(q_shape, np.float32)
+    self._lse = _scratch((b, t, h), np.float32)
+    self._prepared = None
+    self._attrs = dict(share=np.int64(self._handle))
+
+  def configure(self, kv, *, tiles, causal=True, window=None, softcap=None, scale=None,
+                num_threads=None) -> None:
+    """The kernel's arguments: the full tail tiles ``tiles = (start, stop)`` of the
+    :class:`rkv.RollingKV` ``kv``, read in place, and the attention options (as
+    :func:`rkv.offload.cpu_attention.cpu_attention_tail`). Refused while a start is pending."""
+    where = "HostShare.configure"
+    tail = kv.tail
+    prep = cpu_lib.prepare(self.q_shape, np.float32, tail.k, tail.v, k_pos=tail.pos,
+                           k_scale=tail.k_scale, v_scale=tail.v_scale, causal=causal,
+                           window=window, softcap=softcap, scale=scale,
+                           num_threads=cpu_lib.tail_threads(num_threads), chunk=None,
+                           tiles=tiles, where=where)
+    if prep.empty:
+      raise ValueError(f"{where}: tiles={tiles!r} holds no cells for the CPU")
+    args = prep.args
+    args.q, args.q_pos = self._q[1], self._q_pos[1]
+    b, t, h, d = self.q_shape
+    rc = self._lib.rkv_share_configure(
+        self._handle, ctypes.addressof(args), prep.num_threads, prep.chunk, self._q[1],
+        b * t * h * d * 4, self._q_pos[1], b * t * 4, self._o[1], b * t * h * d, self._lse[1],
+        b * t * h)
+    if rc != 0:
+      raise RuntimeError(f"{where}: a start of this share is still waiting for its wait")
+    self._prepared = prep  # the tables and the struct the worker reads: alive while configured
+
+  def start(self, q, q_pos):
+    """Traceable: hands ``q [B,T,H,D]`` and ``q_pos [B,T]`` to the worker; returns the token
+    :meth:`wait` takes."""
+    if tuple(jnp.shape(q)) != self.q_shape:
+      raise ValueError(f"HostShare.start: q has shape {tuple(jnp.shape(q))}, the share is for "
+                       f"{self.q_shape}")
+    call = jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct((), jnp.int32),
+                            has_side_effect=True)
+    return call(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos, jnp.int32), **self._attrs)
+
+  def wait(self, token):
+    """Traceable: the float32 ``(o [B,T,H,D], lse [B,T,H])`` of the kernel ``token``'s start
+    began; a kernel error or a wait with no start is an error of the program."""
+    b, t, h, d = self.q_shape
+    call = jax.ffi.ffi_call(WAIT_TARGET, (jax.ShapeDtypeStruct((b, t, h, d), jnp.float32),
+                                          jax.ShapeDtypeStruct((b, t, h), jnp.float32)),
+                            has_side_effect=True)
+    o, lse = call(token, **self._attrs)
+    return o, lse
+
+  def set_wait_seconds(self, seconds: float) -> None:
+    """How long a wait blocks for its kernel before it fails (default 120 s)."""
+    if not seconds > 0:
+      raise ValueError(f"HostShare.set_wait_seconds: seconds must be positive, got {seconds!r}")
+    self._lib.rkv_share_set_wait_seconds(self._handle, float(seconds))
+
+  def counters(self) -> dict:
+    """Starts, waits and kernel runs so far, and the last run's return code."""
+    out = (ctypes.c_int64 * 4)()
+    self._lib.rkv_share_counters(self._handle, out)
+    return dict(starts=out[0], waits=out[1], runs=out[2], last_rc=out[3])
+
+  def close(self) -> None:
+    """Stops the worker (also done when the object is collected)."""
+    self._finalizer()
