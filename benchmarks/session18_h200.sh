@@ -13,16 +13,23 @@
 #   RKV_TILES_ONE_PROGRAM=1   a hybrid layer's staged tiles attended and merged in one program
 #   RKV_SWITCH_INTERVAL_US=N  the GIL switch interval during steps with cpu / hybrid layers (an
 #                             alternative to RKV_WORKER_FIRST, which needs the long default)
+# And the structural lever, built and tested on the CPU backend only:
+#   RKV_HOST_SHARE=1          the CPU share in a C++ thread of rkv.offload.host_share, started by
+#                             an FFI custom call in the join that makes the query (its copies and
+#                             a host function on the stream), awaited by one in the next join:
+#                             no Python thread, no GIL and no query round trip in the chain
 # Each part is one device call (10 minutes at most):
-#   bash benchmarks/session18_h200.sh a   # 2M int8 on one machine, alternating: the default and
-#                                         # all on (the first four), twice each; all with the
-#                                         # switch interval instead of the worker-first handoff;
-#                                         # next puts alone, with the handoff; the q copy alone
-#   bash benchmarks/session18_h200.sh b   # a traced 2M int8 step with all on; 1M and 128K
-#                                         # half-offloaded with all on and off; 2M int8 with the
-#                                         # one-program tiles alone and the handoff alone
-#   bash benchmarks/session18_h200.sh c   # the GPU-only tests, then the machine's probe and 2M
-#                                         # int8 planned on it, default and all on
+#   bash benchmarks/session18_h200.sh a   # the host share's GPU tests (its CUDA handlers: bit-
+#                                         # equal to the Python path), then 2M int8 alternating:
+#                                         # default / RKV_HOST_SHARE=1 twice, the share with the
+#                                         # next puts and the one-program tiles, and a trace
+#   bash benchmarks/session18_h200.sh b   # the GPU-only tests, then the Python-path switches
+#                                         # at 2M int8, alternating: the default and the first
+#                                         # four on, twice each; all with the switch interval
+#                                         # instead of the handoff; next puts alone and with the
+#                                         # handoff
+#   bash benchmarks/session18_h200.sh c   # 1M, 128K half and B=8 x 128K, the default, then
+#                                         # with the host share
 # With RKV_NEXT_PUTS=1 the planner's reserve counts the next layer's tiles too (4 more tiles: 267
 # MB less window at 2M int8), so those rows' plans differ a little: each row records its own.
 # Rows are planned on the shipped v3 profile, like the table's, unless named _probed.
@@ -41,6 +48,23 @@ host() { { uptime; nproc; lscpu | grep -E "Model name|MHz|Flags"; } > $D/host_$P
 case "$PART" in
   a)
     host
+    echo "== pytest host share $(date +%T)"
+    timeout 150 python3 -m pytest -q -m gpu tests/host_share_test.py tests/generate_test.py \
+      -k "host_share or cuda" -p no:cacheprovider > $D/pytest_host_share.txt 2>&1
+    tail -3 $D/pytest_host_share.txt; pack
+    int8_2m 2m_int8_default1
+    RKV_HOST_SHARE=1 int8_2m 2m_int8_share1
+    int8_2m 2m_int8_default2
+    RKV_HOST_SHARE=1 int8_2m 2m_int8_share2
+    RKV_HOST_SHARE=1 RKV_NEXT_PUTS=1 RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_share_puts_one
+    RKV_HOST_SHARE=1 T=170 trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
+    ;;
+  b)
+    host
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 250 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
     int8_2m 2m_int8_default1
     all_on int8_2m 2m_int8_all1
     int8_2m 2m_int8_default2
@@ -49,32 +73,16 @@ case "$PART" in
       int8_2m 2m_int8_all_si200
     RKV_NEXT_PUTS=1 int8_2m 2m_int8_next_puts
     RKV_NEXT_PUTS=1 RKV_WORKER_FIRST=1 int8_2m 2m_int8_next_puts_worker_first
-    RKV_EARLY_Q_COPY=1 int8_2m 2m_int8_q_copy
-    ;;
-  b)
-    host
-    T=170 all_on trace 2m_int8_all --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 \
-      --steps=4 --trace_steps=2
-    for side in default all; do
-      pre=; [ $side = all ] && pre=all_on
-      T=130 $pre run 1m_$side --configs=rkv_offload --budget=auto --contexts=1048576
-      T=90 $pre run half128_$side --configs=rkv_offload --contexts=131072
-    done
-    RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_one_program
-    RKV_WORKER_FIRST=1 int8_2m 2m_int8_worker_first
     ;;
   c)
     host
-    echo "== pytest -m gpu $(date +%T)"
-    timeout 250 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
-    tail -3 $D/pytest_gpu.txt; pack
-    echo "== probe $(date +%T)"
-    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
-      | q | tail -1; pack
-    if [ -f $D/profile_probe.json ]; then
-      P=$D/profile_probe.json int8_2m 2m_int8_default_probed
-      P=$D/profile_probe.json all_on int8_2m 2m_int8_all_probed
-    fi
+    for side in default share; do
+      if [ $side = share ]; then export RKV_HOST_SHARE=1; else unset RKV_HOST_SHARE; fi
+      T=130 run 1m_$side --configs=rkv_offload --budget=auto --contexts=1048576
+      T=90 run half128_$side --configs=rkv_offload --contexts=131072
+      T=110 run b8_$side --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
+    done
+    unset RKV_HOST_SHARE
     ;;
 esac
 echo "== done $(date +%T)"

@@ -272,7 +272,7 @@ class RollingKV:
     """The position after the last cell written: the default start of the next chunk."""
     return jnp.int32(self.fill)
 
-  def attend(self, q, k, v, positions, *, merge=True, while_waiting=None,
+  def attend(self, q, k, v, positions, *, merge=True, while_waiting=None, cpu_share=None,
              **kw) -> tuple[jax.Array, "RollingKV"]:
     """Appends the chunk's ``k, v`` at ``positions`` and returns ``(o, new cache)``: causal
     :func:`rkv.rolling_attention` of ``q`` over every cell with the cache's tactic (``kw``: its
@@ -284,7 +284,12 @@ class RollingKV:
     append (:func:`rkv.rolling.early_cpu_share`, :func:`rkv.rolling.early_puts`;
     ``$RKV_EARLY_CPU`` / ``$RKV_EARLY_PUTS`` = 0 turn them off). ``while_waiting()``: host work
     to run while this thread would wait for the step's CPU share (``layered_forward`` puts the
-    next layer's first tiles there), else after the step's own work; called once."""
+    next layer's first tiles there), else after the step's own work; called once.
+    ``cpu_share="external"`` (with ``merge=False``): the step's CPU tiles
+    (:func:`rkv.rolling.cpu_share_tiles`) are attended by the caller's
+    :class:`rkv.offload.host_share.HostShare`, started on this step's query already; the parts
+    are then the device partial alone (:func:`rkv.rolling.device_part`), for the caller to merge
+    with the share's. Only where :func:`rkv.rolling.external_share_applies`."""
     from rkv import rolling  # rolling builds on this module
     from rkv.attention import MAX_DECODE_QUERIES
     tactic, share = self.tactic, self.cpu_fraction
@@ -300,6 +305,9 @@ class RollingKV:
     # dispatched (rolling.early_cpu_share and rolling.early_puts say why); the append changes
     # neither unless it fills a tile, and then early_cpu_share declines.
     common = {n: kw[n] for n in ("window", "softcap", "scale", "impl", "schedule", "lookahead")}
+    if cpu_share is not None:
+      return self._attend_external(q, k, v, positions, merge=merge, cpu_share=cpu_share,
+                                   while_waiting=while_waiting, kw=kw)
     cpu_future = rolling.early_cpu_share(self, q, positions, np.shape(k)[1], tactic=tactic,
                                          cpu_fraction=share, cpu_threads=kw["cpu_threads"],
                                          **common)
@@ -312,6 +320,35 @@ class RollingKV:
                                      cpu_fraction=share, cpu_future=cpu_future, merge=merge,
                                      while_waiting=while_waiting, **kw)
     return (out[0] if merge else out), new
+
+  def _attend_external(self, q, k, v, positions, *, merge, cpu_share, while_waiting, kw):
+    """:meth:`attend` with ``cpu_share="external"``: the device side only."""
+    from rkv import rolling
+    where = "RollingKV.attend"
+    if cpu_share != "external":
+      raise ValueError(f"{where}: cpu_share must be None or 'external', got {cpu_share!r}")
+    if merge:
+      raise ValueError(f"{where}: cpu_share='external' returns the device partial unmerged "
+                       f"(merge=False): the caller merges it with its share's")
+    if kw["cpu_threads"] is not None:
+      raise ValueError(f"{where}: cpu_threads is the external share's, not attend's")
+    if not rolling.external_share_applies(self, np.shape(k)[1], schedule=kw["schedule"]):
+      raise ValueError(f"{where}: cpu_share='external' needs a cpu / hybrid decode step with "
+                       f"tiles on the CPU whose append fills no tile (tactic={self.tactic!r}, "
+                       f"{np.shape(k)[1]} new cells, fill={self.fill}); see "
+                       f"rkv.rolling.external_share_applies")
+    staged = kw["staged"]
+    if staged is None:
+      staged = rolling.early_puts(self, q, tactic=self.tactic, cpu_fraction=self.cpu_fraction,
+                                  schedule=kw["schedule"], lookahead=kw["lookahead"])
+    with jax.profiler.TraceAnnotation("rkv.append"):
+      new = self.append(k, v, positions)
+    part = rolling.device_part(q, new, q_pos=positions, window=kw["window"],
+                               softcap=kw["softcap"], scale=kw["scale"], impl=kw["impl"],
+                               lookahead=kw["lookahead"], staged=staged)
+    if while_waiting is not None:
+      while_waiting()
+    return (part,), new
 
   def streamed_tiles(self) -> tuple:
     """The host tiles a step streams, in order, for a prefetcher (``()`` for ``cpu``)."""

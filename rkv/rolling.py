@@ -609,11 +609,7 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   device = None
   try:
     with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
-      if validation.env_switch(TILES_ONE_PROGRAM_ENV, False) and _all_staged(tiles):
-        device = _staged_device_part(q, q_pos, kv, tiles, static)
-      else:
-        device = _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
-                         partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+      device = _eager_device_part(q, q_pos, kv, tiles, static)
     if while_waiting is not None:
       with jax.profiler.TraceAnnotation("rkv.while_waiting"):
         while_waiting()
@@ -621,6 +617,58 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
     with jax.profiler.TraceAnnotation("rkv.cpu.wait"):
       o_cpu, lse_cpu = future.result()  # waits for the kernel (and surfaces its errors)
   return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
+
+
+def _eager_device_part(q, q_pos, kv, tiles, static):
+  """The float32 device partial of a cpu / hybrid layer that streams ``tiles`` (at least one)
+  on the eager schedule: window, staging and those tiles, merged."""
+  if validation.env_switch(TILES_ONE_PROGRAM_ENV, False) and _all_staged(tiles):
+    return _staged_device_part(q, q_pos, kv, tiles, static)
+  return _stream(q, q_pos, kv.window, kv.staging, tiles, schedule="eager",
+                 partial_fn=_partial_jit, out_dtype=jnp.float32, **static)
+
+
+def external_share_applies(kv, t_new: int, *, schedule: str = DEFAULT_SCHEDULE) -> bool:
+  """Whether a decode step of ``t_new`` queries over ``kv`` may leave its CPU tiles to an external
+  share (:class:`rkv.offload.host_share.HostShare`): a ``cpu`` / ``hybrid``
+  :class:`rkv.RollingKV` with tiles on the CPU, a decode step (``t_new <= MAX_DECODE_QUERIES``)
+  on the eager schedule, and an append that fills no tile (the CPU tiles are fixed before it)."""
+  if not isinstance(kv, cache_lib.RollingKV) or kv.tactic not in tactics_lib.HOST_KERNEL:
+    return False
+  if t_new > MAX_DECODE_QUERIES or schedule != "eager" or _tracing(kv):
+    return False
+  n_tiles = kv.n_full_tiles
+  if max(kv.fill + t_new - kv.window_cells, 0) // kv.tile_cells != n_tiles:
+    return False
+  return streamed_count(n_tiles, kv.tactic, kv.cpu_fraction) < n_tiles
+
+
+def cpu_share_tiles(kv) -> tuple[int, int]:
+  """``(start, stop)``: the full tail tiles a ``cpu`` / ``hybrid`` decode step of ``kv`` attends
+  on the CPU (the streamed ones are the tiles before ``start``)."""
+  n = kv.n_full_tiles
+  return streamed_count(n, kv.tactic, kv.cpu_fraction), n
+
+
+def device_part(q, kv, *, q_pos, causal=True, window=None, softcap=None, scale=None,
+                impl="auto", lookahead=DEFAULT_LOOKAHEAD, staged=None):
+  """The float32 ``(o, lse)`` of a ``cpu`` / ``hybrid`` decode step's device side over ``kv``
+  (after its append): the window, staging and the streamed tiles ``[0, start)`` of
+  :func:`cpu_share_tiles`, on the eager schedule; the CPU tiles are left to an external share,
+  whose partial the caller merges (exactly, by LSE) with this one."""
+  where = "rolling.device_part"
+  q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
+                           scale=scale, tactic=kv.tactic, impl=impl, schedule="eager",
+                           lookahead=lookahead, where=where)
+  n_stream, _ = cpu_share_tiles(kv)
+  if n_stream:
+    with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
+      return _eager_device_part(q, q_pos, kv, _tiles(kv, n_stream, staged), static)
+  if not (static["use_window"] or static["use_staging"]):
+    b, t, h, _ = q.shape
+    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+  with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
+    return _unrolled(q, q_pos, kv.window, kv.staging, (), out_dtype=jnp.float32, **static)
 
 
 def _staged_device_part(q, q_pos, kv, tiles, static):

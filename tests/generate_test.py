@@ -432,6 +432,51 @@ def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
     _decode_with(tactic)
 
 
+@pytest.mark.parametrize("tactic", ["hybrid", "cpu", "stream"])
+def test_layered_forward_host_share_equals_the_python_worker(monkeypatch, tactic):
+  """$RKV_HOST_SHARE=1: a cpu / hybrid layer's CPU share runs in rkv.offload.host_share's C++
+  thread, started in the join that makes its query and awaited in the next one. The same
+  kernel over the same cells and query, merged in the same order: logits and caches equal the
+  Python worker's, bit for bit, through a prefill, decode steps and a flush (whose step, and
+  each step's first rolling layer, take the Python path). Stream layers have no CPU share."""
+  from rkv import cache as cache_lib
+  seen = []  # (T, cpu_share)
+  real_attend = cache_lib.RollingKV.attend
+
+  def spy(self, q, *a, **kw):
+    seen.append((q.shape[1], kw.get("cpu_share")))
+    return real_attend(self, q, *a, **kw)
+
+  monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
+  default = _decode_with(tactic)
+  assert not any(c for _, c in seen)
+  seen.clear()
+  monkeypatch.setenv("RKV_HOST_SHARE", "1")
+  shared = _decode_with(tactic)
+  _assert_same_run(default, shared)
+  n_layers = len(default[1])
+  steps = [seen[i:i + n_layers] for i in range(0, len(seen), n_layers)]
+  decode = [step for step in steps if step[0][0] == 1]
+  assert all(step[0][1] is None for step in steps)  # a step's first layer: the Python path
+  external = [c == "external" for step in decode for _, c in step[1:]]
+  if tactic == "stream":
+    assert not any(external) and len(shared[2].host_shares) == 0
+  else:
+    # Every later layer of a decode step, but in the step whose append flushes a tile.
+    assert sum(external) >= len(external) - (n_layers - 1) and any(external)
+    assert len(shared[2].host_shares) == n_layers - 1
+  monkeypatch.setenv("RKV_HOST_SHARE", "perhaps")
+  with pytest.raises(ValueError, match="RKV_HOST_SHARE"):
+    _decode_with(tactic)
+
+
+@pytest.mark.gpu
+def test_layered_forward_host_share_on_the_gpu(monkeypatch):
+  # The same check with the CUDA handlers: the query's copies and the worker's wake-up enqueued
+  # on the join's stream, the partial's copies on the next join's.
+  test_layered_forward_host_share_equals_the_python_worker(monkeypatch, "hybrid")
+
+
 def test_layered_forward_switch_interval_during_host_kernel_steps(monkeypatch):
   """$RKV_SWITCH_INTERVAL_US: the GIL switch interval while a step with cpu / hybrid layers runs
   (seen inside each layer's attend), Python's own again after it; the logits are the default's."""

@@ -158,3 +158,35 @@ def test_the_protocol_fails_loudly():
     share.set_wait_seconds(0)
   share.close()
   share.close()  # closing twice is a no-op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_cuda_handlers_compute_the_python_paths_partial(kv_dtype):
+  # On the GPU the share's start enqueues the query's copies and a host function on the
+  # program's stream, and its wait the partial's copies back: the same partial as the Python
+  # path, bit for bit, with the tiles in pinned host memory (as the cache keeps them), step
+  # after step and with start and wait in one program.
+  rng = np.random.default_rng(5)
+  k = rng.standard_normal((B, 300, K, 128)).astype(np.float32)
+  kw = {}
+  if kv_dtype == "int8":
+    k, ks = rkv.cache.quantize_int8(k, scale_dtype=jnp.bfloat16)
+    kw = dict(k_scale=ks, v_scale=ks)
+  else:
+    k = k.astype(jnp.bfloat16)
+  kv = rkv.RollingKV.from_arrays(jnp.asarray(k), jnp.asarray(k), window_cells=32, tile_cells=64,
+                                 capacity=320, **kw).with_tactic("hybrid", 0.5)
+  assert rkv.offload.memory.memory_kind(kv.tail.k[0]) == "pinned_host"
+  share = host_share.HostShare((B, 1, 8, 128))
+  share.configure(kv, tiles=_cpu_range(kv))
+  start, wait = jax.jit(share.start), jax.jit(share.wait)
+  both = jax.jit(lambda q, p: share.wait(share.start(q * 1.0, p)))
+  for step in range(6):
+    q = jnp.asarray(rng.standard_normal((B, 1, 8, 128)), jnp.bfloat16)
+    q_pos = jnp.full((B, 1), 300 + step, jnp.int32)
+    o, lse = wait(start(q, q_pos)) if step % 2 == 0 else both(q, q_pos)
+    want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos, tiles=_cpu_range(kv))
+    np.testing.assert_array_equal(np.asarray(o), want_o)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+  assert share.counters() == dict(starts=6, waits=6, runs=6, last_rc=0)

@@ -449,7 +449,10 @@ def _block_programs(graphdef, treedef):
   return pre, post, whole
 
 
-def _merged_post(block, x, parts, o_dtype):
+def _merged_post(block, x, parts, o_dtype, share=None):
+  if share is not None:  # (device partial, token): the CPU partial is the share's, awaited here
+    device, token = parts
+    parts = (device, share.wait(token))
   o, _ = rolling_lib.merge_parts(parts, out_dtype=o_dtype)
   return block.post_attention(x, o)
 
@@ -467,14 +470,18 @@ def _join_programs(prev_defs, defs):
   prev = lambda leaves: nnx.merge(prev_defs[0], jax.tree.unflatten(prev_defs[1], leaves))
   block = lambda leaves: nnx.merge(defs[0], jax.tree.unflatten(defs[1], leaves))
 
-  @functools.partial(jax.jit, static_argnames="o_dtype")
-  def join(prev_leaves, leaves, x, parts, rope_cs, *, o_dtype):
-    x = _merged_post(prev(prev_leaves), x, parts, o_dtype)
-    return (x,) + tuple(block(leaves).pre_attention(x, rope_cs))
+  # prev_share / share: the previous layer's and this layer's HostShare ($RKV_HOST_SHARE), static
+  # (their handles are the custom calls' attributes), None where the layer's CPU share is not one.
+  @functools.partial(jax.jit, static_argnames=("o_dtype", "prev_share", "share"))
+  def join(prev_leaves, leaves, x, parts, rope_cs, positions, *, o_dtype, prev_share=None,
+           share=None):
+    x = _merged_post(prev(prev_leaves), x, parts, o_dtype, prev_share)
+    q, k, v = block(leaves).pre_attention(x, rope_cs)
+    token = None if share is None else share.start(q, positions)
+    return x, q, k, v, token
 
-  close = jax.jit(lambda leaves, x, parts, *, o_dtype: _merged_post(prev(leaves), x, parts,
-                                                                      o_dtype),
-                  static_argnames="o_dtype")
+  close = jax.jit(lambda leaves, x, parts, *, o_dtype, prev_share=None: _merged_post(
+      prev(leaves), x, parts, o_dtype, prev_share), static_argnames=("o_dtype", "prev_share"))
   return join, close
 
 
@@ -496,6 +503,51 @@ JOIN_ENV = "RKV_JOIN_LAYERS"
 # form (the puts right after the merge) was slower at 1M, where the link was busy
 # (docs/DESIGN.md §7). Read at each step; off by default until measured on the H200.
 NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
+# $RKV_HOST_SHARE=1 (experimental): a hybrid / cpu layer's CPU share, where
+# rkv.rolling.external_share_applies, runs in a C++ thread of rkv.offload.host_share instead of
+# the Python worker: started by a custom call at the end of the join that makes the layer's
+# query, awaited by one in the next join (or close), which merges it. No Python thread, no GIL
+# and no host round trip of the query in the layer's chain (docs/DESIGN.md §6). The first rolling
+# layer of a step (its query comes from its own pre_attention) and a step whose append fills a
+# tile take the Python path. One join program per layer pair is compiled (the shares' handles are
+# its attributes). Read at each step; off by default: correct on the CPU backend, not yet run on
+# a GPU.
+HOST_SHARE_ENV = "RKV_HOST_SHARE"
+
+
+class _HostShares:
+  """layered_forward's rkv.offload.host_share.HostShare of each layer ($RKV_HOST_SHARE), made
+  on first use and configured again whenever the layer's CPU tiles change (a flush)."""
+
+  def __init__(self, heads):
+    self._heads = heads  # per layer: (query heads, head dim)
+    self._shares = {}  # layer -> (share, the configuration's key)
+    self._retired = []  # shares left with a start never awaited (an error mid-step): kept alive
+
+  def for_layer(self, i, cache, tokens_shape, attn_kw):
+    from rkv.offload import host_share
+    b, t = tokens_shape[:2]
+    q_shape = (b, t) + tuple(self._heads[i])
+    tiles = rolling_lib.cpu_share_tiles(cache)
+    tail_k = cache.tail.k[tiles[0]:tiles[1]]
+    key = (q_shape, tiles, tuple(id(x) for x in tail_k), attn_kw.get("window"),
+           attn_kw.get("softcap"), attn_kw.get("scale"))
+    share, configured = self._shares.get(i, (None, None))
+    if share is not None:
+      counts = share.counters()
+      if counts["starts"] != counts["waits"] or share.q_shape != q_shape:
+        self._retired.append(share)  # a CUDA host function may still name it: never freed
+        share = configured = None
+    if share is None:
+      share = host_share.HostShare(q_shape)
+    if configured != key:
+      share.configure(cache, tiles=tiles, window=attn_kw.get("window"),
+                      softcap=attn_kw.get("softcap"), scale=attn_kw.get("scale"))
+    self._shares[i] = (share, key)
+    return share
+
+  def __len__(self):
+    return len(self._shares)
 
 
 def _split_flat(node):
@@ -591,6 +643,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
                       for i in range(1, len(block_defs))]
     closes = [_join_programs(d, d)[1] for d in block_defs]
   planned = [None]  # the caches the prefetcher's current plan was made for
+  host_shares = _HostShares([(layer.attn.num_heads, layer.attn.head_dim)
+                             for layer in model.layers])
 
   def plan_prefetch(caches):
     if prefetcher is not None and planned[0] is not caches:
@@ -619,6 +673,8 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     pending = None  # (layer, its parts, o dtype): a rolling layer before its merge and post
     # Layer -> its first streamed tiles, put while the layer before it waited ($RKV_NEXT_PUTS).
     ahead = {} if chain is None and stream_lib.next_puts_on() else None
+    use_shares = (joins is not None and chain is None
+                  and validation.env_switch(HOST_SHARE_ENV, False))
 
     def put_next(j, q):
       nxt, kw_j = caches[j], attn_kw[j]
@@ -630,9 +686,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         ahead[j] = tiles
 
     def close(x):
-      j, parts, o_dtype = pending
+      j, parts, o_dtype, prev_share = pending
       with jax.profiler.TraceAnnotation("rkv.layer.close"):
-        return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype)
+        return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype, prev_share=prev_share)
 
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
@@ -651,10 +707,16 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
           x, pending = close(x), None
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
+        share = None
         if pending is not None:
+          if use_shares and rolling_lib.external_share_applies(
+              cache, tokens.shape[1],
+              schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
+            share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
           with jax.profiler.TraceAnnotation("rkv.layer.join"):
-            x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, pending[1], rope_cs,
-                                  o_dtype=pending[2])
+            x, q, k, v, token = joins[i](blocks[i - 1][1], leaves, x, pending[1], rope_cs,
+                                         positions, o_dtype=pending[2], prev_share=pending[3],
+                                         share=share)
           pending = None
         else:
           with jax.profiler.TraceAnnotation("rkv.layer.pre"):
@@ -668,9 +730,14 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
             if i + 1 < len(caches) and isinstance(caches[i + 1], cache_lib.RollingKV):
               hook = functools.partial(put_next, i + 1, q)
           with jax.profiler.TraceAnnotation("rkv.layer.attend"):
-            parts, cache = cache.attend(q, k, v, positions, merge=False, while_waiting=hook,
-                                        **kw)
-          pending = (i, parts, np.dtype(q.dtype))
+            if share is not None:
+              (part,), cache = cache.attend(q, k, v, positions, merge=False, while_waiting=hook,
+                                            cpu_share="external", **kw)
+              parts = (part, token)
+            else:
+              parts, cache = cache.attend(q, k, v, positions, merge=False, while_waiting=hook,
+                                          **kw)
+          pending = (i, parts, np.dtype(q.dtype), share)
           new_caches.append(cache)
           continue
         tiles = cache.streamed_tiles() if prefetcher is not None else ()
@@ -700,5 +767,6 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     return leave(edge_leaves, x[:, -1:] if last_only else x, last_only), new_caches
 
   fn.prefetcher = prefetcher
+  fn.host_shares = host_shares
 
   return fn
