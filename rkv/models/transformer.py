@@ -449,10 +449,7 @@ def _block_programs(graphdef, treedef):
   return pre, post, whole
 
 
-def _merged_post(block, x, parts, o_dtype, share=None):
-  if share is not None:  # (device partial, token): the CPU partial is the share's, awaited here
-    device, token = parts
-    parts = (device, share.wait(token))
+def _merged_post(block, x, parts, o_dtype):
   o, _ = rolling_lib.merge_parts(parts, out_dtype=o_dtype)
   return block.post_attention(x, o)
 
@@ -470,18 +467,14 @@ def _join_programs(prev_defs, defs):
   prev = lambda leaves: nnx.merge(prev_defs[0], jax.tree.unflatten(prev_defs[1], leaves))
   block = lambda leaves: nnx.merge(defs[0], jax.tree.unflatten(defs[1], leaves))
 
-  # prev_share / share: the previous layer's and this layer's HostShare ($RKV_HOST_SHARE), static
-  # (their handles are the custom calls' attributes), None where the layer's CPU share is not one.
-  @functools.partial(jax.jit, static_argnames=("o_dtype", "prev_share", "share"))
-  def join(prev_leaves, leaves, x, parts, rope_cs, positions, *, o_dtype, prev_share=None,
-           share=None):
-    x = _merged_post(prev(prev_leaves), x, parts, o_dtype, prev_share)
-    q, k, v = block(leaves).pre_attention(x, rope_cs)
-    token = None if share is None else share.start(q, positions)
-    return x, q, k, v, token
+  @functools.partial(jax.jit, static_argnames="o_dtype")
+  def join(prev_leaves, leaves, x, parts, rope_cs, *, o_dtype):
+    x = _merged_post(prev(prev_leaves), x, parts, o_dtype)
+    return (x,) + tuple(block(leaves).pre_attention(x, rope_cs))
 
-  close = jax.jit(lambda leaves, x, parts, *, o_dtype, prev_share=None: _merged_post(
-      prev(leaves), x, parts, o_dtype, prev_share), static_argnames=("o_dtype", "prev_share"))
+  close = jax.jit(lambda leaves, x, parts, *, o_dtype: _merged_post(prev(leaves), x, parts,
+                                                                      o_dtype),
+                  static_argnames="o_dtype")
   return join, close
 
 
@@ -505,13 +498,16 @@ JOIN_ENV = "RKV_JOIN_LAYERS"
 NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # $RKV_HOST_SHARE=1 (experimental): a hybrid / cpu layer's CPU share, where
 # rkv.rolling.external_share_applies, runs in a C++ thread of rkv.offload.host_share instead of
-# the Python worker: started by a custom call at the end of the join that makes the layer's
-# query, awaited by one in the next join (or close), which merges it. No Python thread, no GIL
-# and no host round trip of the query in the layer's chain (docs/DESIGN.md §6). The first rolling
-# layer of a step (its query comes from its own pre_attention) and a step whose append fills a
-# tile take the Python path. One join program per layer pair is compiled (the shares' handles are
-# its attributes). Read at each step; off by default: correct on the CPU backend, not yet run on
-# a GPU.
+# the Python worker: started by the share's start program, dispatched right after the join that
+# makes the layer's query, and awaited by its wait program right before the next join (or close),
+# which merges the partial as before. No Python thread, no GIL and no host round trip of the
+# query in the layer's chain (docs/DESIGN.md §6), for two small dispatches a layer. Why programs
+# of their own and not custom calls inside the join: a share's handle is a compile-time attribute,
+# so joins holding them would compile once per layer (the join is one program for every layer of
+# a structure now), tens of seconds at Llama-3-8B's size; the share's own programs are tiny. The
+# first rolling layer of a step (its query comes from its own pre_attention) and a step whose
+# append fills a tile take the Python path. Read at each step; off by default: correct on the CPU
+# backend, not yet run on a GPU.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 
 
@@ -685,10 +681,19 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       if tiles:
         ahead[j] = tiles
 
+    def awaited(parts, share):
+      """A layer's parts with its host share's partial awaited (its wait program)."""
+      if share is None:
+        return parts
+      device, token = parts
+      with jax.profiler.TraceAnnotation("rkv.share.wait"):
+        return (device, share.wait_program(token))
+
     def close(x):
-      j, parts, o_dtype, prev_share = pending
+      j, parts, o_dtype, share = pending
+      parts = awaited(parts, share)
       with jax.profiler.TraceAnnotation("rkv.layer.close"):
-        return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype, prev_share=prev_share)
+        return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype)
 
     for i, ((pre, post, whole), leaves) in enumerate(blocks):
       cache, rope_cs = caches[i], tables[index[i]]
@@ -713,10 +718,13 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
               cache, tokens.shape[1],
               schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
             share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
+          parts = awaited(pending[1], pending[3])
           with jax.profiler.TraceAnnotation("rkv.layer.join"):
-            x, q, k, v, token = joins[i](blocks[i - 1][1], leaves, x, pending[1], rope_cs,
-                                         positions, o_dtype=pending[2], prev_share=pending[3],
-                                         share=share)
+            x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, parts, rope_cs,
+                                  o_dtype=pending[2])
+          if share is not None:
+            with jax.profiler.TraceAnnotation("rkv.share.start"):
+              token = share.start_program(q, positions)
           pending = None
         else:
           with jax.profiler.TraceAnnotation("rkv.layer.pre"):

@@ -85,6 +85,9 @@ class HostShare:
     self._lse = _scratch((b, t, h), np.float32)
     self._prepared = None
     self._attrs = dict(share=np.int64(self._handle))
+    # The share's own programs (its handle is their custom calls' attribute: compiled per share).
+    self.start_program = jax.jit(self.start)
+    self.wait_program = jax.jit(self.wait)
 
   def configure(self, kv, *, tiles, causal=True, window=None, softcap=None, scale=None,
                 num_threads=None) -> None:
