@@ -88,13 +88,15 @@ def layer_chain(main, worker, h2d, d2h, large_ns: int = SMALL_COPY_NS) -> dict:
   Per layer, offsets from the layer's start: when the worker began (``rkv.cpu.tail``), its query
   copy (``rkv.cpu.q_to_host``) and when the device-to-host copy it waited for ran, the setup
   before the kernel, the kernel (``rkv.cpu.kernel``); the main thread's append, stream dispatch,
-  wait for the worker (``rkv.cpu.wait``) and the next layer's join; the PCIe link's busy and idle
+  wait for the worker (``rkv.cpu.wait``) and the next layer's join (with ``$RKV_HOST_SHARE``,
+  whose C++ worker leaves no events, its share's start dispatch and its wait, ``rkv.share.*``,
+  in place of the worker's spans); the PCIe link's busy and idle
   time (tile copies of at least ``large_ns``). Returns the medians over layers (ns) and the
   layer count; ``chain_ns`` is the worker's path: its start offset through the end of its
   kernel, plus the main thread's time from the end of its wait to the next layer (merge and
   join)."""
   starts = sorted(a for a, _, n in main if n == "rkv.layer.attend")
-  if len(starts) < 2:
+  if len(starts) < 2 or not (worker or any(n.startswith("rkv.share.") for _, _, n in main)):
     return dict(layers=0)
   periods = [b - a for a, b in zip(starts, starts[1:])]
   typical = statistics.median(periods)
@@ -113,7 +115,8 @@ def layer_chain(main, worker, h2d, d2h, large_ns: int = SMALL_COPY_NS) -> dict:
     rows["link_busy_ns"].append(busy)
     rows["link_idle_ns"].append(hi - lo - busy)
     for key, name in (("append", "rkv.append"), ("dispatch", "rkv.stream.dispatch"),
-                      ("wait", "rkv.cpu.wait"), ("join", "rkv.layer.join")):
+                      ("wait", "rkv.cpu.wait"), ("join", "rkv.layer.join"),
+                      ("share_start", "rkv.share.start"), ("share_wait", "rkv.share.wait")):
       hit = first(main, name, lo, hi)
       if hit is not None:
         rows[f"main_{key}_ns"].append(hit[1])
@@ -203,7 +206,7 @@ def summarize(xplane_path: str, top: int) -> dict:
       out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
                            for n, d in sorted(spans.items())}
   out["device_window_ns"] = None if lo is None else hi - lo
-  if threads["worker"]:
+  if threads["worker"] or any(n.startswith("rkv.share.") for _, _, n in threads["main"]):
     out["layer_chain"] = {name: layer_chain(threads["main"], threads["worker"], h2d_all, d2h_all)
                           for name, (h2d_all, d2h_all) in copies.items()}
   return out

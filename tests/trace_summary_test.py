@@ -95,3 +95,20 @@ def test_layer_chain_of_synthetic_layers():
   for key, value in want.items():
     assert abs(got[key] - value) < 2, (key, got[key], value)
   assert layer_chain(main[:1], worker, h2d, d2h) == dict(layers=0)
+
+
+def test_layer_chain_with_host_shares():
+  # $RKV_HOST_SHARE: no worker spans (its thread is C++); the share's start dispatch and wait
+  # take their place, the link's time as before.
+  from lab.trace_summary import layer_chain
+  ms = 1_000_000
+  main = []
+  for lo in (0, 4 * ms, 8 * ms):
+    main += [(lo, 3 * ms, "rkv.layer.attend"), (lo + int(3.2 * ms), int(0.2 * ms),
+                                                "rkv.share.wait"),
+             (lo + int(3.6 * ms), int(0.1 * ms), "rkv.share.start")]
+  got = layer_chain(main, [], [(ms, 2 * ms), (5 * ms, 2 * ms)], [])
+  assert got["layers"] == 2 and "worker_start_ns" not in got
+  assert abs(got["main_share_wait_ns"] - 0.2 * ms) < 2
+  assert abs(got["main_share_start_ns"] - 0.1 * ms) < 2
+  assert abs(got["link_busy_ns"] - 2 * ms) < 2 and abs(got["layer_ns"] - 4 * ms) < 2
