@@ -204,20 +204,27 @@ def compile_library(out_path: str, *, compiler: str | None = None) -> str:
   and records its SHA-256 beside it (``out_path.sha256``), which :func:`library_path` checks
   before a cached build is loaded."""
   cc = compiler or find_compiler()
+  return build_atomically(out_path, lambda tmp: _compile(cc, tmp), "rkv CPU-tail kernel")
+
+
+def build_atomically(out_path: str, compile_into, label: str) -> str:
+  """Runs ``compile_into(tmp)`` on a temporary file beside ``out_path``, checks the ELF file it
+  wrote, then moves it and its SHA-256 (``out_path.sha256``) into place: a half-written library
+  never appears under ``out_path``. Shared by the kernel's and the host share's builds."""
   out_dir = os.path.dirname(os.path.abspath(out_path))
   os.makedirs(out_dir, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
   try:
-    _compile(cc, tmp)
+    compile_into(tmp)
     problem = elf_problem(tmp)
     if problem:
-      raise RuntimeError(f"rkv CPU-tail kernel: the compiler wrote an unusable library: {problem}")
+      raise RuntimeError(f"{label}: the compiler wrote an unusable library: {problem}")
     digest_tmp = tmp + ".sha256"
     with open(digest_tmp, "w") as f:
       f.write(_sha256(tmp))
     # The digest first: a crash between the two leaves a digest that does not match, so the next
-    # library_path() rebuilds instead of trusting a stale file.
+    # load rebuilds instead of trusting a stale file.
     os.replace(digest_tmp, _digest_path(out_path))
     os.replace(tmp, out_path)
   finally:

@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 
 import jax
 import jaxlib
@@ -61,13 +60,10 @@ def _cached_path() -> str:
 def compile_library(out_path: str) -> str:
   """Compiles ``host_share.cc`` to ``out_path`` atomically, its SHA-256 recorded beside it."""
   cxx = find_compiler()
-  out_dir = os.path.dirname(os.path.abspath(out_path))
-  os.makedirs(out_dir, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-  os.close(fd)
-  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-ldl"]
-  timeout = cpu_build.compile_timeout_s()
-  try:
+
+  def compile_into(tmp):
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-ldl"]
+    timeout = cpu_build.compile_timeout_s()
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -76,18 +72,8 @@ def compile_library(out_path: str) -> str:
     if proc.returncode != 0:
       raise RuntimeError(f"rkv host share: compiling failed ({' '.join(cmd)}):\n"
                          f"{proc.stdout}{proc.stderr}")
-    problem = cpu_build.elf_problem(tmp)
-    if problem:
-      raise RuntimeError(f"rkv host share: the compiler wrote an unusable library: {problem}")
-    with open(tmp + ".sha256", "w") as f:
-      f.write(cpu_build._sha256(tmp))
-    os.replace(tmp + ".sha256", cpu_build._digest_path(out_path))
-    os.replace(tmp, out_path)
-  finally:
-    for leftover in (tmp, tmp + ".sha256"):
-      if os.path.exists(leftover):
-        os.remove(leftover)
-  return out_path
+
+  return cpu_build.build_atomically(out_path, compile_into, "rkv host share")
 
 
 @functools.lru_cache(maxsize=None)
