@@ -108,6 +108,24 @@ def test_merged_with_the_device_partials_it_equals_attention_over_the_cache():
   assert kv.n_full_tiles == 5 and configured == _cpu_range(kv)
 
 
+def test_shares_started_together_are_each_served_their_own_partial():
+  # One runner thread serves every share in the order their queries land: three layers' shares
+  # started back to back and awaited in reverse order each return their own cache's partial.
+  rng = np.random.default_rng(6)
+  caches = [_cache("float32", 44, rng) for _ in range(3)]
+  shares = [host_share.HostShare((B, 1, H, D)) for _ in caches]
+  for share, kv in zip(shares, caches):
+    share.configure(kv, tiles=_cpu_range(kv))
+  q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32)
+  q_pos = jnp.full((B, 1), 44, jnp.int32)
+  tokens = [share.start_program(q, q_pos) for share in shares]
+  for share, kv, token in reversed(list(zip(shares, caches, tokens))):
+    o, lse = share.wait_program(token)
+    want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos, tiles=_cpu_range(kv))
+    np.testing.assert_array_equal(np.asarray(o), want_o)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+
+
 def test_a_nan_query_comes_out_nan():
   rng = np.random.default_rng(3)
   kv = _cache("float32", 44, rng)

@@ -3,8 +3,8 @@
 // Why (docs/DESIGN.md §6, "the layer chain"): in the Python path a hybrid layer's CPU share runs
 // in a Python worker thread, which must take the GIL to start, to bring the query down
 // (np.asarray, queued on PJRT's host threads) and to set the kernel up; at 2M int8 on the H200
-// that was ~2 ms of a 5.5 ms layer before the kernel ran. Here the share is a C++ thread that
-// never takes the GIL, driven by two XLA FFI custom calls:
+// that was ~2 ms of a 5.5 ms layer before the kernel ran. Here one C++ thread (the runner) runs
+// every share's kernel and never takes the GIL, driven by two XLA FFI custom calls:
 //
 //   rkv_share_start(q f32[B,T,H,D], q_pos s32[B,T]) -> token s32[]   where q is made
 //   rkv_share_wait(token) -> (o f32[B,T,H,D], lse f32[B,T,H])         where the partial merges
@@ -39,6 +39,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -69,43 +70,26 @@ struct Share {
   std::mutex mu;
   std::condition_variable cv;
   uint64_t started = 0;   // starts launched
-  uint64_t ready = 0;     // queries on the host (the worker may run)
   uint64_t done = 0;      // kernel runs finished
   uint64_t awaited = 0;   // waits served
   int last_rc = 0;        // the last kernel run's return code
-  bool stop = false;
   double wait_seconds = kDefaultWaitSeconds;
-  std::thread worker;
 
-  void Run() {
-    uint64_t ran = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || ready > ran; });
-        if (stop) return;
-      }
-      // A row that sees no key is o = 0, lse = -inf: set before the call like the Python path.
-      std::memset(o, 0, o_elems * sizeof(float));
-      for (size_t i = 0; i < lse_elems; ++i) lse[i] = -std::numeric_limits<float>::infinity();
-      int rc = kernel ? kernel(args, num_threads, chunk, o, lse) : -3;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        ++ran;
-        done = ran;
-        last_rc = rc;
-      }
-      cv.notify_all();
-    }
-  }
-
-  void MarkReady() {
+  // The runner's call: one kernel run over the share's buffers.
+  void RunOnce() {
+    // A row that sees no key is o = 0, lse = -inf: set before the call like the Python path.
+    std::memset(o, 0, o_elems * sizeof(float));
+    for (size_t i = 0; i < lse_elems; ++i) lse[i] = -std::numeric_limits<float>::infinity();
+    int rc = kernel ? kernel(args, num_threads, chunk, o, lse) : -3;
     {
       std::lock_guard<std::mutex> lock(mu);
-      ++ready;
+      ++done;
+      last_rc = rc;
     }
     cv.notify_all();
   }
+
+  void MarkReady();
 
   // Blocks until the oldest start not yet awaited has run; its return code, or an error string.
   ffi::Error AwaitOne() {
@@ -128,6 +112,48 @@ struct Share {
     return ffi::Error::Success();
   }
 };
+
+// One thread runs every share's kernel, in the order their queries land: the layers' shares run
+// one after another anyway, and one calling thread keeps one OpenMP team for the kernel (a
+// thread a share would give the process a team of kernel threads per layer).
+class Runner {
+ public:
+  static Runner& Get() {
+    static Runner* runner = new Runner();  // never destroyed: shares may outlive static teardown
+    return *runner;
+  }
+
+  void Submit(Share* s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(s);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  Runner() : thread_([this] { Loop(); }) { thread_.detach(); }
+
+  void Loop() {
+    for (;;) {
+      Share* s;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !queue_.empty(); });
+        s = queue_.front();
+        queue_.pop_front();
+      }
+      s->RunOnce();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Share*> queue_;
+  std::thread thread_;
+};
+
+void Share::MarkReady() { Runner::Get().Submit(this); }
 
 Share* AsShare(int64_t handle) { return reinterpret_cast<Share*>(static_cast<intptr_t>(handle)); }
 
@@ -296,7 +322,7 @@ int rkv_share_abi_version(void) { return 1; }
 void* rkv_share_new(void* kernel) {
   Share* s = new Share();
   s->kernel = reinterpret_cast<KernelFn>(kernel);
-  s->worker = std::thread([s] { s->Run(); });
+  Runner::Get();  // the runner thread exists before the first start
   return s;
 }
 
@@ -338,15 +364,16 @@ void rkv_share_counters(void* share, int64_t* out) {
   out[3] = s->last_rc;
 }
 
+// Frees the share once every start has run (10 s at most); a share whose start never ran (its
+// query's copy never landed) is left allocated: the runner or a host function may still name it.
 void rkv_share_free(void* share) {
   Share* s = static_cast<Share*>(share);
+  bool idle;
   {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->stop = true;
+    std::unique_lock<std::mutex> lock(s->mu);
+    idle = s->cv.wait_for(lock, std::chrono::seconds(10), [&] { return s->done >= s->started; });
   }
-  s->cv.notify_all();
-  if (s->worker.joinable()) s->worker.join();
-  delete s;
+  if (idle) delete s;
 }
 
 }  // extern "C"

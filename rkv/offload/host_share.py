@@ -67,7 +67,8 @@ class HostShare:
 
   :meth:`configure` with the cache and the tiles the CPU attends before the first start, and
   again whenever those tiles change (a flush); :meth:`start` / :meth:`wait` inside jitted
-  programs, in that order. The worker thread lives as long as the object."""
+  programs, in that order. One C++ thread runs every share's kernel, in the order their
+  queries land (one OpenMP team for the kernel)."""
 
   def __init__(self, q_shape):
     q_shape = tuple(int(n) for n in q_shape)
@@ -147,5 +148,5 @@ class HostShare:
     return dict(starts=out[0], waits=out[1], runs=out[2], last_rc=out[3])
 
   def close(self) -> None:
-    """Stops the worker (also done when the object is collected)."""
+    """Frees the share once its starts have run (also done when the object is collected)."""
     self._finalizer()
