@@ -504,10 +504,9 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # query in the layer's chain (docs/DESIGN.md §6), for two small dispatches a layer. Why programs
 # of their own and not custom calls inside the join: a share's handle is a compile-time attribute,
 # so joins holding them would compile once per layer (the join is one program for every layer of
-# a structure now), tens of seconds at Llama-3-8B's size; the share's own programs are tiny. The
-# first rolling layer of a step (its query comes from its own pre_attention) and a step whose
-# append fills a tile take the Python path. Read at each step; off by default: correct on the CPU
-# backend, not yet run on a GPU.
+# a structure now), tens of seconds at Llama-3-8B's size; the share's own programs are tiny. A
+# step whose append fills a tile takes the Python path. Read at each step; off by default: correct on the
+# CPU backend, not yet run on a GPU.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 
 
@@ -713,22 +712,22 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         x, cache = whole(leaves, x, positions, rope_cs, cache, impl)
       else:
         share = None
+        if use_shares and rolling_lib.external_share_applies(
+            cache, tokens.shape[1],
+            schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
+          share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
         if pending is not None:
-          if use_shares and rolling_lib.external_share_applies(
-              cache, tokens.shape[1],
-              schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
-            share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
           parts = awaited(pending[1], pending[3])
           with jax.profiler.TraceAnnotation("rkv.layer.join"):
             x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, parts, rope_cs,
                                   o_dtype=pending[2])
-          if share is not None:
-            with jax.profiler.TraceAnnotation("rkv.share.start"):
-              token = share.start_program(q, positions)
           pending = None
         else:
           with jax.profiler.TraceAnnotation("rkv.layer.pre"):
             q, k, v = pre(leaves, x, rope_cs)
+        if share is not None:
+          with jax.profiler.TraceAnnotation("rkv.share.start"):
+            token = share.start_program(q, positions)
         kw = attn_kw[i]
         if joins is not None and isinstance(cache, cache_lib.RollingKV):
           hook = None
