@@ -188,6 +188,12 @@ WORKER_FIRST_ENV = "RKV_WORKER_FIRST"
 WORKER_FIRST_TIMEOUT_S = 0.002
 
 
+def _append_fills_tile(kv: cache_lib.RollingKV, t_new: int) -> bool:
+  """Whether appending ``t_new`` cells to ``kv`` flushes a full tile into its tail (the CPU
+  share's tiles, fixed before the append otherwise, then change)."""
+  return max(kv.fill + t_new - kv.window_cells, 0) // kv.tile_cells != kv.n_full_tiles
+
+
 def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
                schedule: str = DEFAULT_SCHEDULE,
                lookahead: int | None = DEFAULT_LOOKAHEAD) -> tuple[stream.Tile, ...] | None:
@@ -253,7 +259,7 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
       or _tracing(q, q_pos, kv)):
     return None
   n_tiles = kv.n_full_tiles
-  if max(kv.fill + t_new - kv.window_cells, 0) // kv.tile_cells != n_tiles:
+  if _append_fills_tile(kv, t_new):
     return None
   n_stream = streamed_count(n_tiles, tactic, cpu_fraction)
   if not 0 < n_stream < n_tiles:
@@ -278,22 +284,29 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
   return future
 
 
+def _resident_parts(q, q_pos, window_block, staging_block, *, use_window, use_staging,
+                    partial_fn, kw) -> list:
+  """The window's and the staging tile's partials (those in use): one dispatch for both when
+  eager (``_partial_pair_jit``), else one ``partial_fn`` call each."""
+  if use_window and use_staging and partial_fn is _partial_jit:
+    return list(_partial_pair_jit(q, q_pos, window_block, staging_block, **kw))
+  parts = []
+  if use_window:
+    parts.append(partial_fn(q, q_pos, window_block, **kw))
+  if use_staging:
+    parts.append(partial_fn(q, q_pos, staging_block, **kw))
+  return parts
+
+
 def _stream(q, q_pos, window_block, staging_block, tiles, *, use_window, use_staging, causal,
             window, softcap, scale, impl, schedule, lookahead, partial_fn, out_dtype=None):
   kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, impl=impl)
   # Tiles, not KVBlocks: the staging partial then reuses the tile program (same pytree, shapes).
   window_block, staging_block = _as_tile(window_block), _as_tile(staging_block)
 
-  def resident():
-    if use_window and use_staging and partial_fn is _partial_jit:
-      return list(_partial_pair_jit(q, q_pos, window_block, staging_block, **kw))
-    parts = []
-    if use_window:
-      parts.append(partial_fn(q, q_pos, window_block, **kw))
-    if use_staging:
-      parts.append(partial_fn(q, q_pos, staging_block, **kw))
-    return parts
-
+  resident = functools.partial(_resident_parts, q, q_pos, window_block, staging_block,
+                               use_window=use_window, use_staging=use_staging,
+                               partial_fn=partial_fn, kw=kw)
   return stream.stream_attention(tiles, lambda tile: partial_fn(q, q_pos, tile, **kw),
                                  schedule=schedule, lookahead=lookahead, resident=resident,
                                  out_shape=q.shape,
@@ -637,9 +650,9 @@ def external_share_applies(kv, t_new: int, *, schedule: str = DEFAULT_SCHEDULE) 
     return False
   if t_new > MAX_DECODE_QUERIES or schedule != "eager" or _tracing(kv):
     return False
-  n_tiles = kv.n_full_tiles
-  if max(kv.fill + t_new - kv.window_cells, 0) // kv.tile_cells != n_tiles:
+  if _append_fills_tile(kv, t_new):
     return False
+  n_tiles = kv.n_full_tiles
   return streamed_count(n_tiles, kv.tactic, kv.cpu_fraction) < n_tiles
 
 
@@ -676,13 +689,9 @@ def _staged_device_part(q, q_pos, kv, tiles, static):
   window and staging partials (one program), then the tiles' partials merged with them (another;
   ``$RKV_TILES_ONE_PROGRAM``)."""
   kw = {n: static[n] for n in _STATIC}
-  w, st = _as_tile(kv.window), _as_tile(kv.staging)
-  if static["use_window"] and static["use_staging"]:
-    parts = _partial_pair_jit(q, q_pos, w, st, **kw)
-  elif static["use_window"] or static["use_staging"]:
-    parts = (_partial_jit(q, q_pos, w if static["use_window"] else st, **kw),)
-  else:
-    parts = ()
+  parts = _resident_parts(q, q_pos, _as_tile(kv.window), _as_tile(kv.staging),
+                          use_window=static["use_window"], use_staging=static["use_staging"],
+                          partial_fn=_partial_jit, kw=kw)
   return _tiles_merged_jit(q, q_pos, tuple(parts), tuple(tiles), out_dtype=jnp.float32, **kw)
 
 
