@@ -49,22 +49,28 @@ def _cpu_range(kv):
   return rolling.streamed_count(n, "hybrid", 0.5), n
 
 
+def _steps_match_the_python_path(share, kv, rng, *, steps, fill):
+  """``steps`` decode queries through ``share`` (its start and wait as two programs, then as
+  one, alternately): each partial equals the Python path's bit for bit."""
+  start, wait = jax.jit(share.start), jax.jit(share.wait)
+  both = jax.jit(lambda q, p: share.wait(share.start(q, p)))  # start and wait in one program
+  for step in range(steps):
+    q = jnp.asarray(rng.standard_normal(share.q_shape), jnp.bfloat16)
+    q_pos = jnp.full(share.q_shape[:2], fill + step, jnp.int32)
+    o, lse = wait(start(q, q_pos)) if step % 2 == 0 else both(q, q_pos)
+    want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos, tiles=_cpu_range(kv))
+    np.testing.assert_array_equal(np.asarray(o), want_o)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+  assert share.counters() == dict(starts=steps, waits=steps, runs=steps, last_rc=0)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_the_worker_computes_the_python_paths_partial(kv_dtype):
   rng = np.random.default_rng(1)
   kv = _cache(kv_dtype, 44, rng)
   share = host_share.HostShare((B, 1, H, D))
   share.configure(kv, tiles=_cpu_range(kv))
-  start, wait = jax.jit(share.start), jax.jit(share.wait)
-  both = jax.jit(lambda q, p: share.wait(share.start(q, p)))  # start and wait in one program
-  for step in range(4):  # starts and waits alternate on one share, step after step
-    q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.bfloat16)
-    q_pos = jnp.full((B, 1), 44 + step, jnp.int32)
-    o, lse = wait(start(q, q_pos)) if step % 2 == 0 else both(q, q_pos)
-    want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos, tiles=_cpu_range(kv))
-    np.testing.assert_array_equal(np.asarray(o), want_o)
-    np.testing.assert_array_equal(np.asarray(lse), want_lse)
-  assert share.counters() == dict(starts=4, waits=4, runs=4, last_rc=0)
+  _steps_match_the_python_path(share, kv, rng, steps=4, fill=44)  # starts and waits alternate
 
 
 def test_merged_with_the_device_partials_it_equals_attention_over_the_cache():
@@ -198,13 +204,4 @@ def test_cuda_handlers_compute_the_python_paths_partial(kv_dtype):
   assert rkv.offload.memory.memory_kind(kv.tail.k[0]) == "pinned_host"
   share = host_share.HostShare((B, 1, 8, 128))
   share.configure(kv, tiles=_cpu_range(kv))
-  start, wait = jax.jit(share.start), jax.jit(share.wait)
-  both = jax.jit(lambda q, p: share.wait(share.start(q * 1.0, p)))
-  for step in range(6):
-    q = jnp.asarray(rng.standard_normal((B, 1, 8, 128)), jnp.bfloat16)
-    q_pos = jnp.full((B, 1), 300 + step, jnp.int32)
-    o, lse = wait(start(q, q_pos)) if step % 2 == 0 else both(q, q_pos)
-    want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, q_pos=q_pos, tiles=_cpu_range(kv))
-    np.testing.assert_array_equal(np.asarray(o), want_o)
-    np.testing.assert_array_equal(np.asarray(lse), want_lse)
-  assert share.counters() == dict(starts=6, waits=6, runs=6, last_rc=0)
+  _steps_match_the_python_path(share, kv, rng, steps=6, fill=300)

@@ -305,6 +305,13 @@ def test_early_start_switches_refuse_bad_values(monkeypatch, name):
   assert o.shape == q.shape
 
 
+def _small_hybrid(k, tactic="hybrid", share=0.5):
+  """A 56-cell cache of ``k`` (as K and V): window 8, 8-cell tiles, ``tactic`` with ``share``."""
+  return rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
+                                   capacity=56).with_tactic(tactic,
+                                                            share if tactic == "hybrid" else None)
+
+
 @pytest.mark.parametrize("tactic,share,fill", [
     ("hybrid", 0.5, 40),  # the worker path: 4 full tiles, 2 streamed, 2 on the CPU
     ("cpu", None, 40),  # nothing streamed: the CPU share on this thread
@@ -342,8 +349,7 @@ def test_while_waiting_runs_once_before_the_cpu_partial_is_read(monkeypatch, tac
 def test_while_waiting_error_propagates_after_the_cpu_share(monkeypatch):
   rng = np.random.default_rng(14)
   k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
-  kv = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
-                                 capacity=56).with_tactic("hybrid", 0.5)
+  kv = _small_hybrid(k)
   done = []
   real_cpu = cpu_lib.cpu_attention_tail
   monkeypatch.setattr(cpu_lib, "cpu_attention_tail",
@@ -400,8 +406,7 @@ def test_worker_first_starts_the_cpu_share_before_the_puts(monkeypatch):
   from rkv.offload import stream
   rng = np.random.default_rng(17)
   k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
-  fresh = lambda: rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
-                                            capacity=56).with_tactic("hybrid", 0.5)
+  fresh = lambda: _small_hybrid(k)
   q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
   args = (q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32))
   off, _ = fresh().attend(*args, impl="xla")
@@ -418,26 +423,43 @@ def test_worker_first_starts_the_cpu_share_before_the_puts(monkeypatch):
   np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
 
 
+def test_external_cpu_share_refuses_what_it_cannot_serve():
+  # attend(cpu_share="external") computes the device side alone: only for a cpu / hybrid decode
+  # step whose append fills no tile, unmerged, without cpu_threads; anything else names the
+  # argument.
+  k = jnp.zeros((1, 40, 2, 16), jnp.float32)
+  fresh = lambda tactic="hybrid": _small_hybrid(k, tactic)
+  q = jnp.zeros((1, 1, 8, 16), jnp.float32)
+  args = (q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32))
+  with pytest.raises(ValueError, match="cpu_share must be None or 'external'"):
+    fresh().attend(*args, merge=False, cpu_share="outside", impl="xla")
+  with pytest.raises(ValueError, match="cpu_share='external' returns the device partial"):
+    fresh().attend(*args, cpu_share="external", impl="xla")
+  with pytest.raises(ValueError, match="cpu_threads"):
+    fresh().attend(*args, merge=False, cpu_share="external", cpu_threads=2, impl="xla")
+  with pytest.raises(ValueError, match="cpu_share='external' needs"):
+    fresh("stream").attend(*args, merge=False, cpu_share="external", impl="xla")
+  ((o, lse),), _ = fresh().attend(*args, merge=False, cpu_share="external", impl="xla")
+  assert o.dtype == jnp.float32 and lse.shape == (1, 1, 8)
+
+
 def test_early_q_copy_attends_the_same(monkeypatch):
   # $RKV_EARLY_Q_COPY=1 requests q's host copy before the CPU share is submitted: same result.
   rng = np.random.default_rng(15)
   k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)), jnp.float32)
-  kv = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
-                                 capacity=56).with_tactic("hybrid", 0.5)
+  kv = _small_hybrid(k)
   q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
   args = (q, k[:, :1], k[:, :1], jnp.full((1, 1), 40, jnp.int32))
   off, _ = kv.attend(*args, impl="xla")
   monkeypatch.setenv("RKV_EARLY_Q_COPY", "1")
-  on, _ = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8, capacity=56).with_tactic(
-      "hybrid", 0.5).attend(*args, impl="xla")
+  on, _ = _small_hybrid(k).attend(*args, impl="xla")
   np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
 
 
 def test_switch_interval_is_set_for_host_kernel_steps_and_restored(monkeypatch):
   import sys
   k = jnp.zeros((1, 40, 2, 16), jnp.float32)
-  hybrid = rkv.RollingKV.from_arrays(k, k, window_cells=8, tile_cells=8,
-                                     capacity=56).with_tactic("hybrid", 0.5)
+  hybrid = _small_hybrid(k)
   streamed = hybrid.with_tactic("stream")
   before = sys.getswitchinterval()
   with rolling.host_kernel_switch_interval([hybrid]):

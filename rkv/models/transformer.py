@@ -498,15 +498,15 @@ JOIN_ENV = "RKV_JOIN_LAYERS"
 NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # $RKV_HOST_SHARE=1 (experimental): a hybrid / cpu layer's CPU share, where
 # rkv.rolling.external_share_applies, runs in a C++ thread of rkv.offload.host_share instead of
-# the Python worker: started by the share's start program, dispatched right after the join that
-# makes the layer's query, and awaited by its wait program right before the next join (or close),
-# which merges the partial as before. No Python thread, no GIL and no host round trip of the
-# query in the layer's chain (docs/DESIGN.md §6), for two small dispatches a layer. Why programs
-# of their own and not custom calls inside the join: a share's handle is a compile-time attribute,
-# so joins holding them would compile once per layer (the join is one program for every layer of
-# a structure now), tens of seconds at Llama-3-8B's size; the share's own programs are tiny. A
-# step whose append fills a tile takes the Python path. Read at each step; off by default: correct on the
-# CPU backend, not yet run on a GPU.
+# the Python worker: started by the share's start program, dispatched right after the program
+# that makes the layer's query (its join, or its pre_attention), and awaited by its wait program
+# right before the next join (or close), which merges the partial as before. No Python thread, no
+# GIL and no host round trip of the query in the layer's chain (docs/DESIGN.md §6), for two small
+# dispatches a layer. Why programs of their own and not custom calls inside the join: a share's
+# handle is a compile-time attribute, so joins holding them would compile once per layer (the
+# join is one program for every layer of a structure now), tens of seconds at Llama-3-8B's size;
+# the share's own programs are tiny. A step whose append fills a tile takes the Python path.
+# Read at each step; off by default: correct on the CPU backend, not yet run on a GPU.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 
 
