@@ -15,7 +15,7 @@
 #                             alternative to RKV_WORKER_FIRST, which needs the long default)
 # And the structural lever, built and tested on the CPU backend only:
 #   RKV_HOST_SHARE=1          the CPU share in a C++ thread of rkv.offload.host_share, started by
-#                             an FFI custom call right after the join that makes the query (its
+#                             an FFI custom call right after the program that makes the query (its
 #                             copies and a host function on the stream), awaited right before the
 #                             next join: no Python thread, GIL or query round trip in the chain
 # Each part is one device call (10 minutes at most):
