@@ -693,6 +693,22 @@ def write_block(block: KVBlock, new: KVBlock, offset) -> KVBlock:
 _write_cells = jax.jit(write_block, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=256)
+def _device_offset(offset: int) -> jax.Array:
+  """Cell ``offset`` as an int32 device scalar, kept for the next caller.
+
+  Why: a host scalar handed to a jitted writer is a fresh host-to-device transfer, which PJRT
+  enqueues on its async work threads, and the writer's launch blocks until that transfer is
+  enqueued. Behind the tile puts of a hybrid layer that cost 0.24 ms of the main thread per
+  append, and 1.1 ms with the host share's kernel on 15 cores beside it (2M int8 on the H200,
+  ``benchmarks/results/beyond_hbm/session19/b/``, the ``jit__write_quantized`` launches). Every
+  layer of a decode step writes at the same offset, so one transfer serves the step's layers.
+  Built eagerly even when called under a trace (never a tracer in the cache); uncommitted, so a
+  writer on another device takes it there."""
+  with jax.ensure_compile_time_eval():
+    return jax.device_put(np.int32(offset))
+
+
 @functools.partial(jax.jit, static_argnames="tile")
 def _split_tiles(block: KVBlock, *, tile: int) -> tuple[KVBlock, ...]:
   """``block [B,w*tile,...]`` (device) → w device blocks ``[B,tile,...]`` (fresh buffers)."""
@@ -823,7 +839,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
     new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append", quantize=False)
     offset = fill if into_window else (fill - w) % tile
     block = _write_quantized(window if into_window else staging, new.k, new.v, new.pos,
-                             np.int32(offset), scale_dtype=kv.scale_dtype)
+                             _device_offset(offset), scale_dtype=kv.scale_dtype)
     if into_window:
       return dataclasses.replace(kv, window=block, fill=fill + t)
     if offset + t == tile:
@@ -834,7 +850,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   i = 0
   m = max(0, min(t, w - fill))
   if m:
-    window = _write_cells(window, _take(new, 0, m), np.int32(fill))
+    window = _write_cells(window, _take(new, 0, m), _device_offset(fill))
     fill, i = fill + m, m
   while i < t:
     tail_fill = fill - w
@@ -847,7 +863,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
       fill, i = fill + whole * tile, i + whole * tile
       continue
     m = min(tile - staged, t - i)
-    staging = _write_cells(staging, _take(new, i, i + m), np.int32(staged))
+    staging = _write_cells(staging, _take(new, i, i + m), _device_offset(staged))
     fill, i = fill + m, i + m
     if staged + m == tile:
       tail, staging = flush(tail, staging, (fill - w) // tile - 1)
