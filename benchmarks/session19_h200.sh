@@ -19,9 +19,12 @@
 #                                         # with the share; 1M default and share
 #   bash benchmarks/session19_h200.sh d   # part c's A/B again on another machine (c's was noisy:
 #                                         # the same code ran 3.23 and 6.23 tok/s): previous /
-#                                         # new default, new share, previous / new default
+#                                         # new default, twice
 # Rows are planned on the shipped v3 profile, like the table's. Results:
-# benchmarks/results/beyond_hbm/session19/{a,b}/; python3 -m lab.ab_summary DIR for the medians.
+# benchmarks/results/beyond_hbm/session19/{a,b,c,d}/; python3 -m lab.ab_summary DIR for the medians;
+# the traces' summaries (session19/layer_chains.json, launch_gaps.json): python3 -m
+# lab.trace_summary --only=layer_chain OUT b/x/2m_int8_default/*.gz b/x/2m_int8_share/*.gz
+# c/x/2m_int8_new_share/*.gz (and --only=launch_gaps).
 D=/tmp/s19_${1:-a} NAME=s19 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 int8_2m() {  # TAG
@@ -80,11 +83,12 @@ case "$PART" in
     ;;
   d)
     host
-    SRC=ab_prev int8_2m 2m_int8_prev_default1
-    int8_2m 2m_int8_new_default1
-    RKV_HOST_SHARE=1 int8_2m 2m_int8_new_share1
-    SRC=ab_prev int8_2m 2m_int8_prev_default2
-    int8_2m 2m_int8_new_default2
+    for i in 1 2; do
+      SRC=ab_prev T=70 run 2m_int8_prev_default$i --configs=rkv_offload --budget=auto \
+        --contexts=2097152 --kv_dtype=int8
+      T=70 run 2m_int8_new_default$i --configs=rkv_offload --budget=auto --contexts=2097152 \
+        --kv_dtype=int8
+    done
     ;;
 esac
 echo "== done $(date +%T)"

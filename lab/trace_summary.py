@@ -4,6 +4,7 @@ no TensorBoard): per device stream the busy time and the top kernels, host spans
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import os
@@ -142,6 +143,35 @@ def layer_chain(main, worker, h2d, d2h, large_ns: int = SMALL_COPY_NS) -> dict:
   return out
 
 
+# What the GPU client's launch of a program is named on the launching thread (jaxlib 0.11's
+# stream-executor PJRT client): the launch, the start of its thunks, and the program's name.
+LAUNCH = "[0] PjRtStreamExecutorRawLoadedExecutable::Execute"
+THUNKS = "[0] GpuExecutable::ExecuteThunks"
+PROGRAM = "CommonPjRtLoadedExecutable::Execute ("
+
+
+def launch_gaps(events) -> dict:
+  """``events``: one host thread's spans ``[(start_ns, duration_ns, name)]``. Per program, the
+  time from each launch to the start of its thunks: what the launching thread waited for before
+  the program went out (its arguments' transfers being enqueued, donation holds), which no
+  ``rkv.*`` span shows. Session 19 found the int8 append's 1.1 ms this way (docs/DESIGN.md §6).
+  Returns program name -> count, median and total ns, largest total first."""
+  thunks = sorted(a for a, _, n in events if n == THUNKS)
+  names = sorted((a, n[len(PROGRAM):].rstrip(")")) for a, _, n in events if n.startswith(PROGRAM))
+  name_starts = [a for a, _ in names]
+  gaps = collections.defaultdict(list)
+  for a, d, n in events:
+    if n != LAUNCH:
+      continue
+    j = bisect.bisect_left(thunks, a)
+    k = bisect.bisect_right(name_starts, a) - 1
+    if j < len(thunks) and thunks[j] < a + d and k >= 0:
+      gaps[names[k][1]].append(thunks[j] - a)
+  rows = {p: dict(count=len(g), median_ns=statistics.median(g), total_ns=sum(g))
+          for p, g in gaps.items()}
+  return dict(sorted(rows.items(), key=lambda kv: -kv[1]["total_ns"]))
+
+
 def summarize(xplane_path: str, top: int) -> dict:
   """Per device plane: each line's (stream's) busy ns and top events by total ns, the union of
   each kind's busy time, the small host-to-device copies queued behind tiles
@@ -201,6 +231,8 @@ def summarize(xplane_path: str, top: int) -> dict:
           spans[n].append(d)
         if any(n == "rkv.layer.attend" for _, _, n in named):
           threads["main"] += named
+          out.setdefault("launch_gaps", {})[plane.name] = launch_gaps(
+              [(e.start_ns, e.duration_ns, e.name) for e in line.events])
         elif any(n == "rkv.cpu.tail" for _, _, n in named):
           threads["worker"] += named
       out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
@@ -222,8 +254,9 @@ def summarize_dir(trace_dir: str, top: int) -> dict:
 
 def main(argv=None) -> None:
   """``python -m lab.trace_summary OUT.json TRACE...``: the summary of each kept trace
-  (``.xplane.pb`` or ``.xplane.pb.gz``), keyed by file name; ``--only KEY`` keeps one field of
-  the device plane (e.g. ``link_gaps``)."""
+  (``.xplane.pb`` or ``.xplane.pb.gz``), keyed by file name (by the path given where two share
+  one); ``--only KEY`` keeps one field of the device plane (e.g. ``link_gaps``; ``launch_gaps``
+  is the host plane's)."""
   import argparse
   import json
   ap = argparse.ArgumentParser(prog="python -m lab.trace_summary")
@@ -233,13 +266,14 @@ def main(argv=None) -> None:
   ap.add_argument("--top", type=int, default=25)
   args = ap.parse_args(argv)
   result = {}
-  for path in args.traces:
+  names = [os.path.basename(p) for p in args.traces]
+  for path, name in zip(args.traces, names):
     summary = summarize(path, args.top)
     if args.only:
       if args.only not in summary:
         raise ValueError(f"--only: {args.only!r} is not a summary field ({sorted(summary)})")
       (summary,) = summary[args.only].values()  # the one GPU plane
-    result[os.path.basename(path)] = summary
+    result[name if names.count(name) == 1 else path] = summary  # decode_trace names repeat
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   print(f"wrote {args.out}")

@@ -184,6 +184,34 @@ def test_int8_decode_append_is_one_program(monkeypatch):
   assert_kinds(kv)
 
 
+def test_layers_appending_at_one_offset_share_one_device_scalar(monkeypatch):
+  # Every layer of a decode step writes at the same cell offset: the writers get one device
+  # scalar for it (one host-to-device transfer a step, not one a layer), the same cells as the
+  # general path; under a trace the kept scalar is concrete, never a tracer.
+  seen = []
+  real = cache_lib._write_quantized
+  monkeypatch.setattr(cache_lib, "_write_quantized",
+                      lambda block, k, v, pos, offset, **kw: (seen.append(offset),
+                                                              real(block, k, v, pos, offset,
+                                                                   **kw))[1])
+  k, v = tokens(6, seed=8, b=1)
+  layers = [rkv.RollingKV.empty(1, 8, K, D, window_cells=3, dtype=jnp.int8, tile_cells=4)
+            for _ in range(3)]
+  for i in range(6):
+    layers = [kv.append(k[:, i:i + 1], v[:, i:i + 1]) for kv in layers]
+    step = seen[-3:]
+    assert all(isinstance(x, jax.Array) for x in step)
+    assert step[0] is step[1] is step[2]  # one buffer for the step's layers
+    assert int(step[0]) == (i if i < 3 else (i - 3) % 4)
+  kq, _ = cache_lib.quantize_int8(k, jnp.bfloat16)
+  for kv in layers:
+    np.testing.assert_array_equal(kv.cells()["k"], np.asarray(kq))
+  traced = []
+  jax.jit(lambda x: (traced.append(cache_lib._device_offset(12345)), x + 1)[1])(jnp.int32(0))
+  assert not isinstance(traced[0], jax.core.Tracer)
+  assert cache_lib._device_offset(12345) is traced[0] and int(traced[0]) == 12345
+
+
 def test_int8_scale_dtype_env(monkeypatch):
   monkeypatch.setenv(cache_lib.SCALE_DTYPE_ENV, "float32")
   kv = rkv.RollingKV.empty(B, 16, K, D, window_cells=4, dtype=jnp.int8, tile_cells=4)

@@ -112,3 +112,22 @@ def test_layer_chain_with_host_shares():
   assert abs(got["main_share_wait_ns"] - 0.2 * ms) < 2
   assert abs(got["main_share_start_ns"] - 0.1 * ms) < 2
   assert abs(got["link_busy_ns"] - 2 * ms) < 2 and abs(got["layer_ns"] - 4 * ms) < 2
+
+
+def test_launch_gaps_per_program():
+  from lab.trace_summary import LAUNCH, PROGRAM, THUNKS, launch_gaps
+  us = 1000
+
+  def launch(t, name, gap, thunks=50 * us):
+    # A program's launch span on the launching thread, its name, and its thunks after ``gap``.
+    return [(t, gap + thunks + 10 * us, PROGRAM + name + ")"), (t + us, gap + thunks, LAUNCH),
+            (t + us + gap, thunks, THUNKS)]
+
+  events = (launch(0, "jit__write_quantized", 1100 * us) + launch(2000 * us, "jit_join", 30 * us) +
+            launch(3000 * us, "jit__write_quantized", 900 * us) +
+            [(5000 * us, 10 * us, LAUNCH)])  # a launch with no thunks inside it: not counted
+  got = launch_gaps(events[::-1])  # any order
+  assert list(got) == ["jit__write_quantized", "jit_join"]  # largest total first
+  assert got["jit__write_quantized"] == dict(count=2, median_ns=1000 * us, total_ns=2000 * us)
+  assert got["jit_join"] == dict(count=1, median_ns=30 * us, total_ns=30 * us)
+  assert launch_gaps([]) == {}

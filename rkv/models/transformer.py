@@ -506,7 +506,8 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # handle is a compile-time attribute, so joins holding them would compile once per layer (the
 # join is one program for every layer of a structure now), tens of seconds at Llama-3-8B's size;
 # the share's own programs are tiny. A step whose append fills a tile takes the Python path.
-# Read at each step; off by default: correct on the CPU backend, not yet run on a GPU.
+# Read at each step; off by default: exact on the CPU backend and the H200, no faster there
+# (session 19, docs/DESIGN.md §6).
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 
 

@@ -1,6 +1,7 @@
 """A layer's CPU share run by a C++ thread, started and awaited inside jitted programs.
 
-Experimental (session 18; correct on the CPU backend, not yet run on a GPU). The Python path of a
+Experimental and off (session 18; exact on the CPU backend and, session 19, on the H200, where it
+was no faster than the Python worker: docs/DESIGN.md §6). The Python path of a
 hybrid layer (``rkv.rolling``) runs the CPU kernel in a Python worker thread that must take the
 GIL to start, to bring the query down and to set the kernel up: ~2 ms of a 5.5 ms layer at 2M
 int8 on the H200 before the kernel ran (docs/DESIGN.md §6, "the layer chain"). A
