@@ -73,6 +73,18 @@ def test_the_worker_computes_the_python_paths_partial(kv_dtype):
   _steps_match_the_python_path(share, kv, rng, steps=4, fill=44)  # starts and waits alternate
 
 
+def test_the_share_programs_carry_no_effect():
+  # An effect would send every start and wait through jit's Python dispatch (twice a layer);
+  # the calls stay in their programs because their results are the programs' outputs.
+  share = host_share.HostShare((B, 1, H, D))
+  q, q_pos = jnp.zeros(share.q_shape, jnp.float32), jnp.zeros((B, 1), jnp.int32)
+  start = jax.make_jaxpr(share.start)(q, q_pos)
+  assert not start.effects and len(start.jaxpr.outvars) == 1
+  wait = jax.make_jaxpr(share.wait)(jnp.int32(0))
+  assert not wait.effects and len(wait.jaxpr.outvars) == 2
+  share.close()
+
+
 def test_merged_with_the_device_partials_it_equals_attention_over_the_cache():
   # A hybrid layer split by hand: window, staging and the streamed tiles on the device, the CPU
   # tiles through the share; one exact merge equals attention over every cell, across appends
