@@ -905,6 +905,9 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   del caches
   row.update(_summary(times, warmup, cfg.batch))
   row["pipelined"] = True
+  # Layers whose CPU share ran in rkv.offload.host_share ($RKV_HOST_SHARE): a row that set the
+  # switch but ran none (no layer it applies to) says so here, not only in its env.
+  row["host_share_layers"] = len(getattr(step.fn, "host_shares", ()))
   # Seconds until the step call returned (median of the timed steps): close to step_s means the
   # host side (Python dispatch, or a wait inside the step) bounds the step.
   row["host_s"] = float(np.median(dispatch[warmup:]))

@@ -402,3 +402,26 @@ def test_split_sweep_overrides_the_cpu_share_and_restores_the_plan():
     decode_bench.BenchConfig(split_cpu_tiles=(-1,), **TINY)
   with pytest.raises(ValueError, match="sweep_rounds"):
     decode_bench.BenchConfig(sweep_rounds=0, **TINY)
+
+
+def test_rows_count_the_layers_that_ran_the_host_share(monkeypatch):
+  # $RKV_HOST_SHARE moves a cpu / hybrid layer's CPU share into rkv.offload.host_share; a row
+  # records how many layers it ran for, so a row with the switch set but no share is visible.
+  from rkv import generate as gen
+  planned = decode_bench._offload_plan
+
+  def hybrid_plan(*args, **kw):
+    plan, info = planned(*args, **kw)
+    return gen.force_tactic(plan, "hybrid", window_cells=128, tile_cells=96), info
+
+  monkeypatch.setattr(decode_bench, "_offload_plan", hybrid_plan)
+  counts = {}
+  for switch in ("0", "1"):
+    monkeypatch.setenv("RKV_HOST_SHARE", switch)
+    (row,) = decode_bench.run_rkv(decode_bench.BenchConfig(configs=("rkv_offload",), **TINY),
+                                  log=lambda m: None)
+    counts[switch] = row["host_share_layers"]
+  assert counts["0"] == 0
+  # Every layer is hybrid (forced above; the row's tactics are the plan's before forcing).
+  layers = decode_bench.model_config(decode_bench.BenchConfig(**TINY)).num_layers
+  assert counts["1"] == layers >= 1, counts
