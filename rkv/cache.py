@@ -744,7 +744,14 @@ def flush(tail: KVBlock, staging: KVBlock, index: int) -> tuple[KVBlock, KVBlock
   tail = _put_tiles(tail, index, [_tile_to_host(staging)])
   # Emptying is just positions: stale K/V under pos = -1 never reach attention. A fresh array,
   # because the old one now belongs to the tail tile.
-  return tail, dataclasses.replace(staging, pos=jnp.full_like(staging.pos, -1))
+  return tail, dataclasses.replace(staging, pos=_emptied_positions(staging.pos))
+
+
+@jax.jit
+def _emptied_positions(pos):
+  # Jitted, so -1 is a constant of the program: eager, it was a host scalar sent to the device
+  # at every flush (tests/transfer_guard_test.py).
+  return jnp.full_like(pos, -1)
 
 
 def _take(block: KVBlock, lo: int, hi: int) -> KVBlock:

@@ -14,6 +14,7 @@ attention is independent per head, so the result equals attention over the whole
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -81,7 +82,7 @@ class HeadSplitKV:
     kh = shape[2]
     r = check_heads(resident_heads, kh, where)
     cap = shape[1] if capacity is None else capacity
-    take = lambda x, lo, hi: None if x is None else x[:, :, lo:hi]
+    take = take_heads
     kw = dict(k_pos=k_pos, capacity=capacity, tile_cells=tile_cells, dtype=dtype)
     resident = rolled = None
     if r:
@@ -123,7 +124,7 @@ class HeadSplitKV:
       raise ValueError(f"HeadSplitKV.append: k must be [B,T,K={self.num_kv_heads},D], got shape "
                        f"{shape}")
     r, kh = self.resident_heads, self.num_kv_heads
-    take = lambda x, lo, hi: None if x is None else x[:, :, lo:hi]
+    take = take_heads
     resident, rolled = self.resident, self.rolled
     if resident is not None:
       resident = resident.append(take(k, 0, r), take(v, 0, r), pos,
@@ -156,6 +157,24 @@ class HeadSplitKV:
 
 jax.tree_util.register_dataclass(HeadSplitKV, data_fields=["resident", "rolled"],
                                  meta_fields=["resident_heads", "num_kv_heads"])
+
+
+@functools.partial(jax.jit, static_argnames=("lo", "hi"))
+def _heads_jit(x, *, lo: int, hi: int):
+  return x[:, :, lo:hi]
+
+
+def take_heads(x, lo: int, hi: int):
+  """Heads ``[lo, hi)`` of ``x [B,T,K,...]`` (KV heads, or a query's ``[B,T,H,D]``; None passes
+  through). A device array is sliced
+  by one program with the bounds static: sliced eagerly, its start indices were host scalars
+  sent to the device on every append of a decode step (tests/transfer_guard_test.py). Host
+  arrays are sliced in place (NumPy: no copy)."""
+  if x is None:
+    return None
+  if isinstance(x, jax.Array):
+    return _heads_jit(x, lo=lo, hi=hi)
+  return x[:, :, lo:hi]
 
 
 def check_heads(resident_heads, num_kv_heads: int, where: str) -> int:

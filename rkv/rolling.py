@@ -61,6 +61,7 @@ from rkv.attention import IMPLS, MAX_DECODE_QUERIES, attention
 from rkv import cache as cache_lib
 from rkv import tactics as tactics_lib
 from rkv import validation
+from rkv import head_split
 from rkv.head_split import HeadSplitKV
 from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import stream
@@ -437,11 +438,11 @@ def _head_attention(q, kv: HeadSplitKV, *, q_pos, tactic, where, **kw):
   # The rolled heads first: their tail transfers are issued before the resident heads' partial
   # is dispatched, so the copy engine starts at once and that partial runs under the transfers.
   if kv.rolled is not None:
-    outs.append(rolling_attention(q[:, :, r * g:], kv.rolled, q_pos=q_pos, tactic="stream",
-                                  **kw))
+    outs.append(rolling_attention(head_split.take_heads(q, r * g, h), kv.rolled, q_pos=q_pos,
+                                  tactic="stream", **kw))
   if kv.resident is not None:
-    outs.insert(0, rolling_attention(q[:, :, :r * g], kv.resident, q_pos=q_pos,
-                                     tactic="stream", **kw))
+    outs.insert(0, rolling_attention(head_split.take_heads(q, 0, r * g), kv.resident,
+                                     q_pos=q_pos, tactic="stream", **kw))
   if len(outs) == 1:
     return outs[0]
   return (jnp.concatenate([o for o, _ in outs], axis=2),
