@@ -1,11 +1,13 @@
-"""Decode steps send nothing from the host to the device implicitly.
+"""Decode steps move nothing between host and device implicitly on the dispatching thread.
 
 Why: a host value handed to a jitted program is a fresh transfer that PJRT enqueues on its own
 threads, and the program's launch blocks until it is enqueued. On the H200 an int8 append's cell
 offset, a host scalar per layer, held each append's launch 0.24 ms, and 1.1 ms beside the host
-share's kernel (docs/DESIGN.md §6, session 19). ``jax.transfer_guard_host_to_device("disallow")``
-turns any such transfer into an error, so a new one in a decode step fails here on the CPU.
-Explicit ``jax.device_put`` calls (the streamed tiles' puts) are allowed by the guard. The
+share's kernel (docs/DESIGN.md §6, session 19); a read back the other way would sync the host
+with the device. ``jax.transfer_guard("disallow")`` turns any implicit transfer into an error, so
+a new one in a decode step fails here on the CPU. Explicit ``jax.device_put`` calls (the streamed
+tiles' puts, a flush's tile to the host) are allowed by the guard, and the guard is the calling
+thread's (the Python worker's query copy is not under it). The
 Python worker's CPU partial (numpy into the join, on jit's C++ path) is such a transfer by
 design, so the hybrid and cpu tactics are checked with the host share, whose partial comes back
 through its FFI call.
@@ -35,7 +37,7 @@ def llama():
 @pytest.mark.parametrize("tactic,kv_dtype,share", [
     ("stream", jnp.float32, "0"), ("stream", jnp.int8, "0"), ("hybrid", jnp.float32, "1"),
     ("hybrid", jnp.int8, "1"), ("cpu", jnp.int8, "1"), ("head", jnp.float32, "0")])
-def test_decode_steps_make_no_implicit_host_to_device_transfer(llama, monkeypatch, tactic,
+def test_decode_steps_make_no_implicit_transfer(llama, monkeypatch, tactic,
                                                                kv_dtype, share):
   # W=4, 4-cell tiles, B=2: a 13-token prefill, then one-token steps to 21 (the staging tile
   # fills at 16 and 20: a flush inside the guarded steps).
@@ -59,7 +61,7 @@ def test_decode_steps_make_no_implicit_host_to_device_transfer(llama, monkeypatc
     if share == "1" and fills_tile:
       logits, caches = fwd(step_tokens, step_pos, caches)
       continue
-    with jax.transfer_guard_host_to_device("disallow"):
+    with jax.transfer_guard("disallow"):
       logits, caches = fwd(step_tokens, step_pos, caches)
     guarded += 1
   assert caches[0].fill == 21 and np.isfinite(np.asarray(logits)).all()
