@@ -15,7 +15,11 @@
 #                                         # plan's split may no longer be the fastest); the
 #                                         # share with XLA's command buffers off (the layer's
 #                                         # small programs paid 30-100 us of graph update and
-#                                         # launch each); a traced share step
+#                                         # launch each); the share with the staged tiles
+#                                         # attended and merged in one program
+#                                         # (RKV_TILES_ONE_PROGRAM: the main thread dispatches
+#                                         # ~8 programs a layer under the share); a traced
+#                                         # share step
 #   bash benchmarks/session20_h200.sh b   # 1M, 128K half and B=8 x 128K, default and share;
 #                                         # then the full -m gpu suite
 # If the share wins: RKV_HOST_SHARE on by default, the table's hybrid rows re-measured with it and
@@ -40,6 +44,7 @@ case "$PART" in
     done
     RKV_HOST_SHARE=1 T=150 int8_2m 2m_int8_share_split --split_cpu_tiles=2,3,4 --sweep_rounds=1
     RKV_HOST_SHARE=1 XLA_FLAGS=--xla_gpu_enable_command_buffer= int8_2m 2m_int8_share_nocb
+    RKV_HOST_SHARE=1 RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_share_one_program
     RKV_HOST_SHARE=1 T=100 trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
