@@ -18,10 +18,12 @@
 #                                         # launch each); the share with the staged tiles
 #                                         # attended and merged in one program
 #                                         # (RKV_TILES_ONE_PROGRAM: the main thread dispatches
-#                                         # ~8 programs a layer under the share); a traced
-#                                         # share step
+#                                         # ~8 programs a layer under the share); the share's
+#                                         # kernel on 12 threads (it runs beside the main
+#                                         # thread's dispatching now, off the layer's chain:
+#                                         # 15 threads left the dispatching threads one core)
 #   bash benchmarks/session20_h200.sh b   # 1M, 128K half and B=8 x 128K, default and share;
-#                                         # then the full -m gpu suite
+#                                         # a traced 2M int8 share step; the full -m gpu suite
 # If the share wins: RKV_HOST_SHARE on by default, the table's hybrid rows re-measured with it and
 # decode_beyond_hbm_h200.json recomposed (benchmarks/compose_beyond_hbm.py).
 D=/tmp/s20_${1:-a} NAME=s20 PART=${1:-a}
@@ -45,8 +47,7 @@ case "$PART" in
     RKV_HOST_SHARE=1 T=150 int8_2m 2m_int8_share_split --split_cpu_tiles=2,3,4 --sweep_rounds=1
     RKV_HOST_SHARE=1 XLA_FLAGS=--xla_gpu_enable_command_buffer= int8_2m 2m_int8_share_nocb
     RKV_HOST_SHARE=1 RKV_TILES_ONE_PROGRAM=1 int8_2m 2m_int8_share_one_program
-    RKV_HOST_SHARE=1 T=100 trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
-      --warmup=2 --steps=4 --trace_steps=2
+    RKV_HOST_SHARE=1 RKV_CPU_TAIL_THREADS=12 int8_2m 2m_int8_share_threads12
     ;;
   b)
     host
@@ -57,6 +58,8 @@ case "$PART" in
       T=80 run b8_$side --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     done
     unset RKV_HOST_SHARE
+    RKV_HOST_SHARE=1 T=100 trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
     timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
     tail -2 $D/pytest_gpu.txt; pack
     ;;
