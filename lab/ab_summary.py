@@ -4,7 +4,9 @@
 wrote there (an H200 script's part: ``benchmarks/results/beyond_hbm/session18/a/``) and prints,
 per rkv row, in the order the runs were made: the file, the switches set for it (the ``env`` the
 result recorded, rkv's defaults left out), tok/s, the bound and the ratio, the host GiB of its
-plan, and then the median tok/s of the files that set the same switches. Files of other
+plan, the library code that ran (``code``, :func:`rkv.benchmarking.code_fingerprint`; results
+from before session 19 have none), and then the median tok/s of the files that set the same
+switches and ran the same code. Files of other
 benchmarks and rows without a tok/s are skipped (named on stderr). No jax: it only reads JSON.
 """
 
@@ -38,7 +40,8 @@ def rows_of(path: str) -> list[dict]:
     if not isinstance(row, dict) or row.get("tokens_per_s") is None:
       continue
     out.append(dict(file=os.path.basename(path), time=result.get("time", ""),
-                    switches=switches(result), config=row.get("config"),
+                    switches=switches(result), code=result.get("code", ""),
+                    config=row.get("config"),
                     context=row.get("context"), batch=row.get("batch"),
                     kv_dtype=row.get("kv_dtype"), tokens_per_s=row["tokens_per_s"],
                     bound_tokens_per_s=row.get("bound_tokens_per_s"),
@@ -63,9 +66,13 @@ def summarize(folders: list[str]) -> tuple[list[dict], dict[tuple, float]]:
   rows.sort(key=lambda r: (r["time"], r["file"]))
   groups: dict[tuple, list[float]] = {}
   for r in rows:
-    key = (r["switches"], r["config"], r["context"], r["batch"], r["kv_dtype"])
+    key = (r["switches"], r["config"], r["context"], r["batch"], r["kv_dtype"], r["code"])
     groups.setdefault(key, []).append(r["tokens_per_s"])
   return rows, {k: statistics.median(v) for k, v in groups.items()}
+
+
+def _code(code: str) -> str:
+  return f"code {code}  " if code else ""
 
 
 def _fmt(x, spec: str) -> str:
@@ -81,10 +88,11 @@ def main(argv=None) -> None:
     print(f"{r['file']:<40s} {r['context']:>8} B={r['batch']} {r['kv_dtype']:<8s} "
           f"{_fmt(r['tokens_per_s'], '7.2f')} tok/s  bound {_fmt(r['bound_tokens_per_s'], '6.2f')}"
           f"  x{_fmt(r['bound_ratio'], '.2f')}  host {_fmt(r['host_kv_gib'], '.2f')} GiB  "
-          f"{r['switches']}")
+          f"{_code(r['code'])}{r['switches']}")
   print("medians:")
-  for (sw, config, context, batch, kv), med in sorted(medians.items(), key=lambda kv: kv[0][1:]):
-    print(f"  {config} {context} B={batch} {kv}: {med:.2f} tok/s  {sw}")
+  for (sw, config, context, batch, kv, code), med in sorted(medians.items(),
+                                                             key=lambda kv: kv[0][1:]):
+    print(f"  {config} {context} B={batch} {kv}: {med:.2f} tok/s  {_code(code)}{sw}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ reported figure is the median of ``n_outer`` such batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -68,13 +70,38 @@ def time_fn(fn: Callable[..., Any], *args, n_warmup: int = 2, n_outer: int = 7,
 RECORDED_ENV_PREFIXES = ("RKV_", "XLA_FLAGS", "XLA_PYTHON_CLIENT_", "XLA_CLIENT_", "OMP_")
 
 
+# The library's sources a result's ``code`` fingerprint covers (its C / C++ kernels included).
+CODE_SUFFIXES = (".py", ".c", ".cc", ".h")
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint(root: str | None = None) -> str:
+  """The first 12 hex digits of a SHA-256 over the rkv package's sources (paths and bytes, in
+  path order): which code produced a result. Why not the git commit: an A/B runs a previous
+  tree from ``git archive`` (no ``.git``), and a working tree may hold uncommitted edits; both
+  sides of such an A/B then record different fingerprints."""
+  root = os.path.dirname(os.path.abspath(__file__)) if root is None else root
+  digest = hashlib.sha256()
+  paths = []
+  for folder, dirs, files in os.walk(root):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    paths += [os.path.join(folder, f) for f in files if f.endswith(CODE_SUFFIXES)]
+  for path in sorted(paths):
+    digest.update(os.path.relpath(path, root).encode() + b"\0")
+    with open(path, "rb") as f:
+      digest.update(f.read())
+  return digest.hexdigest()[:12]
+
+
 def environment() -> dict[str, Any]:
-  """What the figures were measured on, and the switches that were set (``env``)."""
+  """What the figures were measured on, the switches that were set (``env``) and the library
+  code that ran (``code``: :func:`code_fingerprint`)."""
   dev = jax.devices()[0]
   env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
   return dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
               platform=platform.platform(), python=platform.python_version(),
-              time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), env=env)
+              time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), env=env,
+              code=code_fingerprint())
 
 
 def check_output_path(path: str | None, flag: str = "out", *, directory: bool = False) -> None:

@@ -5,12 +5,14 @@ import json
 from lab import ab_summary
 
 
-def _result(path, t, env, tok_s, **row):
+def _result(path, t, env, tok_s, code=None, **row):
   payload = dict(time=t, rows=[dict(config="rkv_offload", context=2097152, batch=1,
                                     kv_dtype="int8", tokens_per_s=tok_s, bound_tokens_per_s=8.0,
                                     bound_ratio=8.0 / tok_s, host_kv_gib=9.9, **row)])
   if env is not None:
     payload["env"] = env
+  if code is not None:
+    payload["code"] = code
   path.write_text(json.dumps(payload))
 
 
@@ -25,10 +27,39 @@ def test_rows_in_run_order_and_medians_per_switches(tmp_path, capsys):
   rows, medians = ab_summary.summarize([str(tmp_path)])
   assert [r["file"] for r in rows] == ["e_old.json", "a_default1.json", "b_all1.json",
                                        "c_default2.json", "d_all2.json"]
-  key = ("rkv_offload", 2097152, 1, "int8")
+  key = ("rkv_offload", 2097152, 1, "int8", "")
   assert medians[("defaults",) + key] == 6.2
   assert medians[("RKV_NEXT_PUTS=1",) + key] == 7.2
   assert medians[("not recorded",) + key] == 5.0
   ab_summary.main([str(tmp_path)])
   out = capsys.readouterr()
   assert "7.20 tok/s  RKV_NEXT_PUTS=1" in out.out and "probe.json: no decode rows" in out.err
+
+
+def test_runs_of_other_code_are_other_sides(tmp_path, capsys):
+  # An A/B of two trees (the previous one from git archive) sets the same switches: the code
+  # each result records keeps their medians apart.
+  for i, (code, tok_s) in enumerate([("aaa", 6.0), ("bbb", 6.5), ("aaa", 6.25), ("bbb", 6.75)]):
+    _result(tmp_path / f"r{i}.json", f"2026-12-05T00:0{i}:00Z", {}, tok_s, code=code)
+  _, medians = ab_summary.summarize([str(tmp_path)])
+  key = ("defaults", "rkv_offload", 2097152, 1, "int8")
+  assert medians[key + ("aaa",)] == 6.125 and medians[key + ("bbb",)] == 6.625
+  ab_summary.main([str(tmp_path)])
+  assert "6.62 tok/s  code bbb  defaults" in capsys.readouterr().out
+
+
+def test_the_code_fingerprint_follows_the_sources(tmp_path):
+  from rkv import benchmarking
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+  (tmp_path / "pkg" / "k.cc").write_text("int f();\n")
+  (tmp_path / "pkg" / "notes.txt").write_text("not code")
+  first = benchmarking.code_fingerprint(str(tmp_path / "pkg"))
+  assert len(first) == 12 and int(first, 16) >= 0
+  (tmp_path / "copy").mkdir()  # the same files elsewhere (a git archive): the same fingerprint
+  for name in ("a.py", "k.cc"):
+    (tmp_path / "copy" / name).write_text((tmp_path / "pkg" / name).read_text())
+  assert benchmarking.code_fingerprint(str(tmp_path / "copy")) == first
+  (tmp_path / "copy" / "k.cc").write_text("int g();\n")  # a kernel edit changes it
+  assert benchmarking.code_fingerprint.__wrapped__(str(tmp_path / "copy")) != first
+  assert benchmarking.environment()["code"] == benchmarking.code_fingerprint()
