@@ -2,7 +2,7 @@
 # it has run yet). Session 19 measured the host share (RKV_HOST_SHARE=1) on the H200: exact, no
 # faster, and its trace put the layer on the main thread's dispatching (docs/DESIGN.md §6). Two
 # changes since, neither measured on the GPU with the share on:
-#   - the append's offset kept as a device scalar (rkv.cache._device_offset): the append's launch
+#   - the append's offset kept as a device scalar (rkv.cache.device_offset): the append's launch
 #     waited 1.1 ms for its host transfer under the share, 28 us after (session19/c trace);
 #     neutral without the share (session19/d)
 #   - the share's start and wait without an FFI side effect, so jit dispatches them on its C++

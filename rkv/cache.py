@@ -694,7 +694,7 @@ _write_cells = jax.jit(write_block, donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=256)
-def _device_offset(offset: int) -> jax.Array:
+def device_offset(offset: int) -> jax.Array:
   """Cell ``offset`` as an int32 device scalar, kept for the next caller.
 
   Why: a host scalar handed to a jitted writer is a fresh host-to-device transfer, which PJRT
@@ -846,7 +846,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
     new = _new_cells(kv, k, v, pos, k_scale, v_scale, "append", quantize=False)
     offset = fill if into_window else (fill - w) % tile
     block = _write_quantized(window if into_window else staging, new.k, new.v, new.pos,
-                             _device_offset(offset), scale_dtype=kv.scale_dtype)
+                             device_offset(offset), scale_dtype=kv.scale_dtype)
     if into_window:
       return dataclasses.replace(kv, window=block, fill=fill + t)
     if offset + t == tile:
@@ -857,7 +857,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
   i = 0
   m = max(0, min(t, w - fill))
   if m:
-    window = _write_cells(window, _take(new, 0, m), _device_offset(fill))
+    window = _write_cells(window, _take(new, 0, m), device_offset(fill))
     fill, i = fill + m, m
   while i < t:
     tail_fill = fill - w
@@ -870,7 +870,7 @@ def append(kv: RollingKV, k, v, pos=None, *, k_scale=None, v_scale=None) -> Roll
       fill, i = fill + whole * tile, i + whole * tile
       continue
     m = min(tile - staged, t - i)
-    staging = _write_cells(staging, _take(new, i, i + m), _device_offset(staged))
+    staging = _write_cells(staging, _take(new, i, i + m), device_offset(staged))
     fill, i = fill + m, i + m
     if staged + m == tile:
       tail, staging = flush(tail, staging, (fill - w) // tile - 1)

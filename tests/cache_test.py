@@ -207,9 +207,9 @@ def test_layers_appending_at_one_offset_share_one_device_scalar(monkeypatch):
   for kv in layers:
     np.testing.assert_array_equal(kv.cells()["k"], np.asarray(kq))
   traced = []
-  jax.jit(lambda x: (traced.append(cache_lib._device_offset(12345)), x + 1)[1])(jnp.int32(0))
+  jax.jit(lambda x: (traced.append(cache_lib.device_offset(12345)), x + 1)[1])(jnp.int32(0))
   assert not isinstance(traced[0], jax.core.Tracer)
-  assert cache_lib._device_offset(12345) is traced[0] and int(traced[0]) == 12345
+  assert cache_lib.device_offset(12345) is traced[0] and int(traced[0]) == 12345
 
 
 def test_int8_scale_dtype_env(monkeypatch):

@@ -34,11 +34,13 @@ def llama():
   return model, tokens
 
 
-@pytest.mark.parametrize("tactic,kv_dtype,share", [
-    ("stream", jnp.float32, "0"), ("stream", jnp.int8, "0"), ("hybrid", jnp.float32, "1"),
-    ("hybrid", jnp.int8, "1"), ("cpu", jnp.int8, "1"), ("head", jnp.float32, "0")])
-def test_decode_steps_make_no_implicit_transfer(llama, monkeypatch, tactic,
-                                                               kv_dtype, share):
+@pytest.mark.parametrize("tactic,kv_dtype,share,fused", [
+    ("stream", jnp.float32, "0", False), ("stream", jnp.int8, "0", False),
+    ("hybrid", jnp.float32, "1", False), ("hybrid", jnp.int8, "1", False),
+    ("cpu", jnp.int8, "1", False), ("head", jnp.float32, "0", False),
+    ("stream", jnp.int8, "0", True)])
+def test_decode_steps_make_no_implicit_transfer(llama, monkeypatch, tactic, kv_dtype, share,
+                                                fused):
   # W=4, 4-cell tiles, B=2: a 13-token prefill, then one-token steps to 21 (the staging tile
   # fills at 16 and 20: a flush inside the guarded steps).
   monkeypatch.setenv("RKV_HOST_SHARE", share)
@@ -46,7 +48,7 @@ def test_decode_steps_make_no_implicit_transfer(llama, monkeypatch, tactic,
   cfg = model.config
   base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
   plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
-  fwd = models.layered_forward(model, last_only=True)
+  fwd = models.layered_forward(model, last_only=True, fused=fused)  # fused: two programs a layer
   pos = lambda lo, hi: jnp.asarray(np.broadcast_to(np.arange(lo, hi, dtype=np.int32),
                                                    (2, hi - lo)))
   _, caches = fwd(jnp.asarray(tokens[:, :13]), pos(0, 13),

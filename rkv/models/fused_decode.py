@@ -200,7 +200,7 @@ class Chain:
       into_window = step.dest == "window"
       x, q, written = head(prev_leaves, leaves, x, parts, rope_cs, self.positions,
                            cache.window if into_window else cache.staging,
-                           np.int32(step.offset), dtype=np.dtype(cache.dtype),
+                           cache_lib.device_offset(step.offset), dtype=np.dtype(cache.dtype),
                            scale_dtype=cache.scale_dtype)
       win, stg = (written, cache.staging) if into_window else (cache.window, written)
     future = None
