@@ -124,6 +124,55 @@ def test_fused_decode_equals_general_path(case, monkeypatch):
                                    err_msg=f"layer {i} {part}")
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] != "stream"], ids=lambda c: "-".join(
+    str(x) for x in (c[0], c[1], c[2].get("cpu_fraction"), c[3]) if x is not None))
+def test_fused_decode_with_the_host_share_equals_the_python_worker(case, monkeypatch):
+  # $RKV_HOST_SHARE in the fused step: the CPU share started right after the head program made
+  # q and awaited before the next head; its partial is the worker's bit for bit, so logits and
+  # caches equal the fused step's with the Python worker exactly. A step whose append fills a
+  # tile keeps the worker (the shares' counts below say how many steps each layer ran).
+  name, tactic, kw, kv_dtype = case
+  model, tokens, base = _arch(name)
+  monkeypatch.setenv("RKV_HOST_SHARE", "0")
+  worker, worker_caches = _decode(model, tokens, _caches(model, base, tactic, kw, kv_dtype),
+                                  fused=True)
+  monkeypatch.setenv("RKV_HOST_SHARE", "1")
+  made = []
+  real_layered = models.layered_forward
+
+  def keep_fn(*a, **k):
+    made.append(real_layered(*a, **k))
+    return made[-1]
+
+  monkeypatch.setattr(models, "layered_forward", keep_fn)
+  shared, shared_caches = _decode(model, tokens, _caches(model, base, tactic, kw, kv_dtype),
+                                  fused=True)
+  np.testing.assert_array_equal(worker, shared)
+  for a, b in zip(worker_caches, shared_caches):
+    if isinstance(a, rkv.RollingKV):
+      for part, x in a.cells().items():
+        y = b.cells()[part]
+        assert (x is None) == (y is None), part
+        if x is not None:
+          np.testing.assert_array_equal(x, y, err_msg=part)
+  shares = made[0].host_shares
+  rolling = [i for i, c in enumerate(shared_caches) if isinstance(c, rkv.RollingKV)]
+  assert len(shares) == len(rolling)
+  decode_steps = tokens.shape[1] - PREFILL
+  for share, _ in shares._shares.values():
+    counts = share.counters()
+    assert counts["starts"] == counts["waits"] == counts["runs"] and counts["last_rc"] == 0
+    # Every decode step but those whose append fills a tile (W=5, 4-cell tiles: one in four).
+    assert decode_steps // 2 < counts["starts"] < decode_steps, counts
+
+
+@pytest.mark.gpu
+def test_fused_decode_with_the_host_share_on_the_gpu(monkeypatch):
+  # The same check with the CUDA handlers: the query's copies and the runner's wake-up enqueued
+  # on the head program's stream, the partial's copies before the next head's.
+  test_fused_decode_with_the_host_share_equals_the_python_worker(CASES[2], monkeypatch)
+
+
 def test_fused_decode_with_the_prefetcher():
   """With a prefetcher every decode step of every rolling layer runs fused (its tiles come
   staged), and the logits are the general path's with the same prefetcher."""

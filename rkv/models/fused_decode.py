@@ -19,7 +19,12 @@ Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), r
   :class:`rkv.offload.stream.Prefetcher`);
 * the CPU kernel over the tiles the tactic gives it, in a worker thread started before
   ``device_i`` is dispatched, as soon as ``q_i`` is on the host: that copy waits for ``head_i``
-  only, so ``device_i`` runs under the kernel.
+  only, so ``device_i`` runs under the kernel. With ``$RKV_HOST_SHARE`` (experimental, off) it
+  runs in :mod:`rkv.offload.host_share`'s C++ thread instead: the share's start program right
+  after ``head_i``, its wait program right before ``head_{i+1}`` (or the close), the partial bit
+  for bit the worker's; a step whose append fills a tile keeps the worker. Five dispatches a
+  layer (the puts, ``head_i``, start, ``device_i``, wait) where the general path with the share
+  has about nine; unmeasured on the GPU (session 19 built it after its device time was spent).
 
 The last rolling layer's partials are closed by a program that merges them and runs its
 ``post_attention``. The cells attended are the general path's, in the same tactic split; only
@@ -170,12 +175,24 @@ class Chain:
   """The fused rolling layers of one decode step, layer by layer: :meth:`layer` runs one,
   :meth:`close` returns the residual stream after the last one."""
 
-  def __init__(self, *, impl: str, positions, prefetcher=None):
+  def __init__(self, *, impl: str, positions, prefetcher=None, host_shares=None):
     self.impl = impl
     self.positions = positions
     self._pos_host = None
     self.prefetcher = prefetcher
-    self._pending = None  # (defs, leaves, x, parts) of the last fused layer, not yet closed
+    # layered_forward's per-layer rkv.offload.host_share shares ($RKV_HOST_SHARE), or None: the
+    # CPU share runs in the Python worker.
+    self.host_shares = host_shares
+    self._pending = None  # (defs, leaves, x, parts, share) of the last fused layer, not closed
+
+  @staticmethod
+  def _awaited(parts, share):
+    """A layer's parts with its host share's partial awaited (the share's wait program)."""
+    if share is None:
+      return parts
+    device, token = parts
+    with jax.profiler.TraceAnnotation("rkv.share.wait"):
+      return (device, share.wait_program(token))
 
   def _q_pos_host(self):
     if self._pos_host is None:
@@ -186,8 +203,15 @@ class Chain:
             attn_kw: dict) -> cache_lib.RollingKV:
     """Layer ``i`` on its input ``x`` (or the pending layer's partials); returns its new cache."""
     prev_defs, prev_leaves, parts = None, None, None
+    t = self.positions.shape[1]  # new cells (and queries) this step
+    share = None
+    if (self.host_shares is not None and step.n_stream < step.n_full
+        and rolling.external_share_applies(cache, t)):
+      # Configured (if its tiles changed) before the append, which leaves them as they are.
+      share = self.host_shares.for_layer(i, cache, self.positions.shape, attn_kw)
     if self._pending is not None:
-      prev_defs, prev_leaves, x, parts = self._pending
+      prev_defs, prev_leaves, x, parts, prev_share = self._pending
+      parts = self._awaited(parts, prev_share)
     head, _ = _programs(prev_defs, defs)
     window, softcap, impl = attn_kw["window"], attn_kw["softcap"], attn_kw["impl"]
     scale = attn_kw["scale"] if attn_kw["scale"] is not None else cache.head_dim ** -0.5
@@ -203,8 +227,13 @@ class Chain:
                            cache_lib.device_offset(step.offset), dtype=np.dtype(cache.dtype),
                            scale_dtype=cache.scale_dtype)
       win, stg = (written, cache.staging) if into_window else (cache.window, written)
-    future = None
-    if step.n_stream < step.n_full:
+    future = token = None
+    if share is not None:
+      # The share's kernel starts when q lands on the host, driven by the stream (no Python
+      # worker, no GIL); its partial is awaited before the next layer's head.
+      with jax.profiler.TraceAnnotation("rkv.share.start"):
+        token = share.start_program(q, self.positions)
+    elif step.n_stream < step.n_full:
       # The CPU share starts (in a worker: its kernel releases the GIL) before device_i is
       # dispatched, as the general path's eager schedule does: if dispatching a program whose
       # input tiles are still in flight held this thread until they land, the kernel would
@@ -226,21 +255,24 @@ class Chain:
           cpu_part = future.result()  # waits for the kernel (and surfaces its errors)
     if self.prefetcher is not None and host_tiles:
       self.prefetcher.consumed(device)
-    parts = (device,) if future is None else (device, cpu_part)
-    t = q.shape[1]
+    if token is not None:
+      parts = (device, token)
+    else:
+      parts = (device,) if future is None else (device, cpu_part)
     new = dataclasses.replace(cache, window=win, staging=stg, fill=cache.fill + t)
     if step.flush_index is not None:
       tail, staging = cache_lib.flush(new.tail, new.staging, step.flush_index)
       new = dataclasses.replace(new, tail=tail, staging=staging)
-    self._pending = (defs, leaves, x, parts)
+    self._pending = (defs, leaves, x, parts, share)
     return new
 
   def close(self, x):
     """The residual stream after the pending fused layer (``x`` itself when there is none)."""
     if self._pending is None:
       return x
-    prev_defs, prev_leaves, x, parts = self._pending
+    prev_defs, prev_leaves, x, parts, share = self._pending
     self._pending = None
+    parts = self._awaited(parts, share)
     _, close = _programs(prev_defs, prev_defs)
     with jax.profiler.TraceAnnotation("rkv.layer.close"):
       return close(prev_leaves, x, parts)

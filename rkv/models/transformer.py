@@ -505,7 +505,8 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # dispatches a layer. Why programs of their own and not custom calls inside the join: a share's
 # handle is a compile-time attribute, so joins holding them would compile once per layer (the
 # join is one program for every layer of a structure now), tens of seconds at Llama-3-8B's size;
-# the share's own programs are tiny. A step whose append fills a tile takes the Python path.
+# the share's own programs are tiny. A step whose append fills a tile takes the Python path. The
+# fused decode step (rkv.models.fused_decode) runs the same shares between its two programs.
 # Read at each step; off by default: exact on the CPU backend and the H200, no faster there
 # (session 19, docs/DESIGN.md §6).
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
@@ -664,13 +665,14 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
-    chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher)
+    share_env = validation.env_switch(HOST_SHARE_ENV, False)
+    chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher,
+                                host_shares=host_shares if share_env else None)
              if fused else None)
     pending = None  # (layer, its parts, o dtype): a rolling layer before its merge and post
     # Layer -> its first streamed tiles, put while the layer before it waited ($RKV_NEXT_PUTS).
     ahead = {} if chain is None and stream_lib.next_puts_on() else None
-    use_shares = (joins is not None and chain is None
-                  and validation.env_switch(HOST_SHARE_ENV, False))
+    use_shares = joins is not None and chain is None and share_env
 
     def put_next(j, q):
       nxt, kw_j = caches[j], attn_kw[j]
