@@ -166,10 +166,9 @@ def _heads_jit(x, *, lo: int, hi: int):
 
 def take_heads(x, lo: int, hi: int):
   """Heads ``[lo, hi)`` of ``x [B,T,K,...]`` (KV heads, or a query's ``[B,T,H,D]``; None passes
-  through). A device array is sliced
-  by one program with the bounds static: sliced eagerly, its start indices were host scalars
-  sent to the device on every append of a decode step (tests/transfer_guard_test.py). Host
-  arrays are sliced in place (NumPy: no copy)."""
+  through). A device array is sliced by one program with the bounds static: sliced eagerly, its
+  start indices were host scalars sent to the device at every decode step
+  (tests/transfer_guard_test.py). Host arrays are sliced in place (NumPy: no copy)."""
   if x is None:
     return None
   if isinstance(x, jax.Array):

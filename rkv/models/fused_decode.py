@@ -65,6 +65,7 @@ from rkv import cache as cache_lib
 from rkv import rolling
 from rkv.attention import MAX_DECODE_QUERIES
 from rkv.offload import cpu_attention as cpu_lib
+from rkv.offload import host_share
 from rkv.offload import stream
 
 FUSED_ENV = "RKV_FUSED_DECODE"
@@ -185,15 +186,6 @@ class Chain:
     self.host_shares = host_shares
     self._pending = None  # (defs, leaves, x, parts, share) of the last fused layer, not closed
 
-  @staticmethod
-  def _awaited(parts, share):
-    """A layer's parts with its host share's partial awaited (the share's wait program)."""
-    if share is None:
-      return parts
-    device, token = parts
-    with jax.profiler.TraceAnnotation("rkv.share.wait"):
-      return (device, share.wait_program(token))
-
   def _q_pos_host(self):
     if self._pos_host is None:
       self._pos_host = np.asarray(self.positions)
@@ -211,7 +203,7 @@ class Chain:
       share = self.host_shares.for_layer(i, cache, self.positions.shape, attn_kw)
     if self._pending is not None:
       prev_defs, prev_leaves, x, parts, prev_share = self._pending
-      parts = self._awaited(parts, prev_share)
+      parts = host_share.awaited(parts, prev_share)
     head, _ = _programs(prev_defs, defs)
     window, softcap, impl = attn_kw["window"], attn_kw["softcap"], attn_kw["impl"]
     scale = attn_kw["scale"] if attn_kw["scale"] is not None else cache.head_dim ** -0.5
@@ -272,7 +264,7 @@ class Chain:
       return x
     prev_defs, prev_leaves, x, parts, share = self._pending
     self._pending = None
-    parts = self._awaited(parts, share)
+    parts = host_share.awaited(parts, share)
     _, close = _programs(prev_defs, prev_defs)
     with jax.profiler.TraceAnnotation("rkv.layer.close"):
       return close(prev_leaves, x, parts)

@@ -38,6 +38,7 @@ from rkv.pallas import rms_norm as rms_norm_kernel
 from rkv import cache as cache_lib
 from rkv import rolling as rolling_lib
 from rkv import validation
+from rkv.offload import host_share
 from rkv.offload import stream as stream_lib
 from rkv.models.config import ModelConfig, RopeConfig, dynamic_inv_freq
 
@@ -522,7 +523,6 @@ class _HostShares:
     self._retired = []  # shares left with a start never awaited (an error mid-step): kept alive
 
   def for_layer(self, i, cache, tokens_shape, attn_kw):
-    from rkv.offload import host_share
     b, t = tokens_shape[:2]
     q_shape = (b, t) + tuple(self._heads[i])
     tiles = rolling_lib.cpu_share_tiles(cache)
@@ -683,17 +683,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       if tiles:
         ahead[j] = tiles
 
-    def awaited(parts, share):
-      """A layer's parts with its host share's partial awaited (its wait program)."""
-      if share is None:
-        return parts
-      device, token = parts
-      with jax.profiler.TraceAnnotation("rkv.share.wait"):
-        return (device, share.wait_program(token))
-
     def close(x):
       j, parts, o_dtype, share = pending
-      parts = awaited(parts, share)
+      parts = host_share.awaited(parts, share)
       with jax.profiler.TraceAnnotation("rkv.layer.close"):
         return closes[j](blocks[j][1], x, parts, o_dtype=o_dtype)
 
@@ -720,7 +712,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
             schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
           share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
         if pending is not None:
-          parts = awaited(pending[1], pending[3])
+          parts = host_share.awaited(pending[1], pending[3])
           with jax.profiler.TraceAnnotation("rkv.layer.join"):
             x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, parts, rope_cs,
                                   o_dtype=pending[2])

@@ -40,6 +40,18 @@ START_TARGET = "rkv_share_start"
 WAIT_TARGET = "rkv_share_wait"
 
 
+def awaited(parts, share):
+  """A layer's unmerged ``parts``, ``(device partial, token)`` when ``share`` ran its CPU share,
+  with the share's partial awaited (its wait program): ``(device partial, (o, lse))``. ``share``
+  None: ``parts`` as they are. Shared by the decode chains that run shares
+  (``layered_forward``'s general path and :mod:`rkv.models.fused_decode`)."""
+  if share is None:
+    return parts
+  device, token = parts
+  with jax.profiler.TraceAnnotation("rkv.share.wait"):
+    return (device, share.wait_program(token))
+
+
 @functools.lru_cache(maxsize=None)
 def _registered() -> ctypes.CDLL:
   """The library, its handlers registered with XLA for the CPU and CUDA platforms (once)."""
