@@ -22,10 +22,11 @@
 #                                         # XLA's command buffers off (30-100 us of graph update
 #                                         # and launch a small program), one-program tiles
 #                                         # (RKV_TILES_ONE_PROGRAM), the kernel on 12 threads
-#                                         # (15 left the dispatching threads one core)
-#   bash benchmarks/session20_h200.sh c   # 1M, 128K half and B=8 x 128K: default, share, fused
-#                                         # + share; a traced 2M int8 fused + share step; the
-#                                         # full -m gpu suite
+#                                         # (15 left the dispatching threads one core); a traced
+#                                         # 2M int8 fused + share step
+#   bash benchmarks/session20_h200.sh c   # 1M and 128K half: default, share, fused + share;
+#                                         # B=8 x 128K default and fused + share; the full -m
+#                                         # gpu suite
 # If a share form wins: on by default (RKV_HOST_SHARE, and RKV_FUSED_DECODE if the fused form
 # wins), the table's hybrid rows re-measured with it and decode_beyond_hbm_h200.json recomposed
 # (benchmarks/compose_beyond_hbm.py). Rows record host_share_layers (layers that ran a share) and
@@ -62,6 +63,8 @@ case "$PART" in
       RKV_CPU_TAIL_THREADS=12 $form int8_2m 2m_int8_${form}_threads12
     done
     RKV_TILES_ONE_PROGRAM=1 share int8_2m 2m_int8_share_one_program
+    T=100 fused_share trace 2m_int8_fused_share --configs=beyond:2097152 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
     ;;
   c)
     host
@@ -69,10 +72,9 @@ case "$PART" in
       pre=""; [ $form = default ] || pre=$form
       T=80 $pre run 1m_$form --configs=rkv_offload --budget=auto --contexts=1048576
       T=70 $pre run half128_$form --configs=rkv_offload --contexts=131072
-      T=80 $pre run b8_$form --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
+      [ $form = share ] || T=80 $pre run b8_$form --configs=rkv_offload --budget=auto \
+        --contexts=131072 --batch=8
     done
-    T=100 fused_share trace 2m_int8_fused_share --configs=beyond:2097152 --kv_dtype=int8 \
-      --warmup=2 --steps=4 --trace_steps=2
     timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
     tail -2 $D/pytest_gpu.txt; pack
     ;;
