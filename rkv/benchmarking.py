@@ -81,6 +81,8 @@ def code_fingerprint(root: str | None = None) -> str:
   tree from ``git archive`` (no ``.git``), and a working tree may hold uncommitted edits; both
   sides of such an A/B then record different fingerprints."""
   root = os.path.dirname(os.path.abspath(__file__)) if root is None else root
+  if not os.path.isdir(root):
+    raise ValueError(f"code_fingerprint: root must be a folder of sources, got {root!r}")
   digest = hashlib.sha256()
   paths = []
   for folder, dirs, files in os.walk(root):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lab import ab_summary
 
 
@@ -63,3 +65,5 @@ def test_the_code_fingerprint_follows_the_sources(tmp_path):
   (tmp_path / "copy" / "k.cc").write_text("int g();\n")  # a kernel edit changes it
   assert benchmarking.code_fingerprint.__wrapped__(str(tmp_path / "copy")) != first
   assert benchmarking.environment()["code"] == benchmarking.code_fingerprint()
+  with pytest.raises(ValueError, match="root"):
+    benchmarking.code_fingerprint(str(tmp_path / "missing"))
