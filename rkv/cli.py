@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="weights, activations and KV dtype (default: the file's float dtype; "
                           "float32 for quantized files)")
 
-  def residency_flags(q):
+  def residency_flags(q, *, show_plan=True):
     g = q.add_argument_group("KV residency (without --device_gib and --mode: all on the device)")
     g.add_argument("--device_gib", type=float, metavar="GiB",
                    help="device memory the KV cache may use; what does not fit goes to the host "
@@ -58,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", metavar="JSON",
                    help="machine figures for the planner (default: ~/.cache/rkv/profile.json if "
                         "present, else the H200's; `rkv calibrate` writes one)")
-    g.add_argument("--show_plan", action="store_true",
-                   help="print the plan's per-layer table (default: its one-line summary)")
+    if show_plan:  # `plan` always prints the table: the flag would do nothing there
+      g.add_argument("--show_plan", action="store_true",
+                     help="print the plan's per-layer table (default: its one-line summary)")
 
   def sampling_flags(q):
     g = q.add_argument_group("sampling")
@@ -111,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="KV dtype (default: the model's)")
   q.add_argument("--no_check_free", action="store_true",
                  help="plan for another machine: do not check this device's free memory")
-  residency_flags(q)
+  residency_flags(q, show_plan=False)
 
   q = sub.add_parser("calibrate", help="measure this machine's transfer/attention figures",
                      description="Runs rkv's probe (host<->device copies, device attention, "

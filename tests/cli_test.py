@@ -30,6 +30,9 @@ def test_help(command, capsys):
     assert all(c in out for c in ("generate", "chat", "plan", "calibrate"))
   elif command in ("generate", "chat"):
     assert "--device_gib" in out and "--mode" in out and "--max_new_tokens" in out
+    assert "--show_plan" in out
+  elif command == "plan":  # it always prints the table, so it offers no flag to ask for it
+    assert "--device_gib" in out and "--show_plan" not in out
 
 
 def test_plan_table(capsys):
