@@ -172,6 +172,85 @@ def launch_gaps(events) -> dict:
   return dict(sorted(rows.items(), key=lambda kv: -kv[1]["total_ns"]))
 
 
+# A transfer's work on PJRT's async work threads (jaxlib 0.11): a tile's host-to-device copy is
+# enqueued there (named MemcpyD2D: pinned host memory is one of the device's memory spaces), and
+# the dispatching thread's device_put shows as BATCHED_PUT.
+RUNNER_THREAD = "pjrt_async_work_runner"
+RUNNER_COPY = "MemcpyD2D"
+BATCHED_PUT = "BatchedCopyToDeviceWithSharding: dispatch"
+PUT_COPY = "CopyToMemorySpace_Direct"  # one array's copy requested inside a BATCHED_PUT
+
+
+def copies_in_kernels(kernels, runner_copies, puts) -> dict:
+  """Whether PJRT's work threads can enqueue tile copies while the CPU kernel runs.
+
+  ``kernels``: ``[(start_ns, end_ns)]`` while a layer's CPU share was in flight (the worker's
+  ``rkv.cpu.kernel`` spans; with ``$RKV_HOST_SHARE``, from the share's start dispatch to the end
+  of its wait, which returns only once the kernel is done); ``runner_copies``: start ns of the
+  copies PJRT's work threads enqueued (:data:`RUNNER_COPY`); ``puts``: start ns of the
+  dispatching thread's ``device_put`` s that requested copies (:func:`_copy_requests`). Returns how many copies were
+  enqueued inside a kernel's window against the share of the time the windows cover, and for
+  the puts issued inside a window and outside, the median wait from the put to the next copy
+  enqueued (what a put waits for a work thread). Why (docs/DESIGN.md §6): with the CPU kernel
+  on 15 of the H200 host's 16 cores and the dispatching thread on the 16th, no work thread
+  enqueued a copy during any Python-worker kernel in five committed traces, and under the host
+  share most tiles put after the kernel began waited 0.5-2.5 ms for their first copy."""
+  kernels = sorted(kernels)
+  runner = sorted(runner_copies)
+  starts = [a for a, _ in kernels]
+
+  def inside(t):
+    i = bisect.bisect_right(starts, t) - 1
+    return i >= 0 and kernels[i][0] <= t < kernels[i][1]
+
+  waits = {True: [], False: []}
+  for p in sorted(puts):
+    j = bisect.bisect_left(runner, p)
+    if j < len(runner):
+      waits[inside(p)].append(runner[j] - p)
+  span = (runner[-1] - runner[0]) if len(runner) > 1 else 0
+  covered = _clip_union([(a, b) for a, b in kernels], runner[0], runner[-1]) if span else 0
+  med = lambda v: statistics.median(v) if v else None
+  return dict(kernels=len(kernels), runner_copies=len(runner),
+              runner_copies_in_kernels=sum(1 for r in runner if inside(r)),
+              kernel_time_fraction=covered / span if span else None,
+              puts_in_kernels=len(waits[True]), put_wait_in_kernels_ns=med(waits[True]),
+              puts_outside=len(waits[False]), put_wait_outside_ns=med(waits[False]))
+
+
+def _copy_requests(events) -> list:
+  """The start ns of each :data:`BATCHED_PUT` in ``events`` ``[(start, duration, name)]`` (one
+  thread's) that requested copies (a :data:`PUT_COPY` inside it): other arguments' puts move
+  nothing."""
+  copies = sorted(a for a, _, n in events if n == PUT_COPY)
+  out = []
+  for a, d, n in events:
+    if n == BATCHED_PUT:
+      j = bisect.bisect_left(copies, a)
+      if j < len(copies) and copies[j] < a + d:
+        out.append(a)
+  return sorted(out)
+
+
+def _share_windows(main, d2h) -> list:
+  """With ``$RKV_HOST_SHARE``: when each share's kernel may run, from its query's landing on the
+  host (the end of the first device-to-host copy, ``d2h`` ``[(start, duration)]``, after the
+  start's dispatch) to the end of its wait (the main thread's ``rkv.share.*`` spans ``[(start,
+  duration, name)]``; the wait returns only once the kernel is done, so the window may be
+  longer than the kernel, never shorter)."""
+  ends = sorted(a + d for a, d in d2h)
+  out, begun = [], None
+  for a, d, n in sorted(main):
+    if n == "rkv.share.start":
+      begun = a
+    elif n == "rkv.share.wait" and begun is not None:
+      j = bisect.bisect_left(ends, begun)
+      if j < len(ends) and ends[j] < a + d:
+        out.append((ends[j], a + d))
+      begun = None
+  return out
+
+
 def summarize(xplane_path: str, top: int) -> dict:
   """Per device plane: each line's (stream's) busy ns and top events by total ns, the union of
   each kind's busy time, the small host-to-device copies queued behind tiles
@@ -188,6 +267,7 @@ def summarize(xplane_path: str, top: int) -> dict:
   lo, hi = None, None
   copies = {}  # device plane -> (its H2D copies, its D2H copies), for layer_chain
   threads = dict(main=[], worker=[])  # rkv.* spans of the dispatching thread and of the worker
+  runner_copies, puts = [], []  # for copies_in_kernels
   for plane in pd.planes:
     if plane.name.startswith("/device:GPU"):
       lines = {}
@@ -219,9 +299,11 @@ def summarize(xplane_path: str, top: int) -> dict:
       out.setdefault("busy_union_ns", {})[plane.name] = {k: union_ns(v) for k, v in spans.items()}
       out.setdefault("h2d_small_copies", {})[plane.name] = small_copies_behind_large(h2d)
       out.setdefault("link_gaps", {})[plane.name] = link_gaps(h2d)
+      # The device-to-host copies by event name: the compute stream's line is named after every
+      # kind it runs (kernels too).
       copies[plane.name] = ([x for ev in h2d.values() for x in ev],
                             [(e.start_ns, e.duration_ns) for line in plane.lines
-                             if "MemcpyD2H" in line.name for e in line.events])
+                             for e in line.events if e.name == "MemcpyD2H"])
     elif plane.name.startswith("/host:CPU"):
       spans = collections.defaultdict(list)
       for line in plane.lines:
@@ -229,8 +311,11 @@ def summarize(xplane_path: str, top: int) -> dict:
                  if e.name.startswith("rkv.")]
         for _, d, n in named:
           spans[n].append(d)
+        if line.name.startswith(RUNNER_THREAD):
+          runner_copies += [e.start_ns for e in line.events if e.name == RUNNER_COPY]
         if any(n == "rkv.layer.attend" for _, _, n in named):
           threads["main"] += named
+          puts += _copy_requests([(e.start_ns, e.duration_ns, e.name) for e in line.events])
           out.setdefault("launch_gaps", {})[plane.name] = launch_gaps(
               [(e.start_ns, e.duration_ns, e.name) for e in line.events])
         elif any(n == "rkv.cpu.tail" for _, _, n in named):
@@ -238,10 +323,20 @@ def summarize(xplane_path: str, top: int) -> dict:
       out["host_spans"] = {n: dict(count=len(d), total_ns=sum(d), median_ns=statistics.median(d))
                            for n, d in sorted(spans.items())}
   out["device_window_ns"] = None if lo is None else hi - lo
+  every_d2h = [x for _, d2h in copies.values() for x in d2h]
+  kernels = ([(a, a + d) for a, d, n in threads["worker"] if n == "rkv.cpu.kernel"]
+             or _share_windows(threads["main"], every_d2h))
+  if kernels and runner_copies:
+    out["copies_in_kernels"] = copies_in_kernels(kernels, runner_copies, puts)
   if threads["worker"] or any(n.startswith("rkv.share.") for _, _, n in threads["main"]):
     out["layer_chain"] = {name: layer_chain(threads["main"], threads["worker"], h2d_all, d2h_all)
                           for name, (h2d_all, d2h_all) in copies.items()}
   return out
+
+
+# summarize's fields keyed by plane (or thread) name; the others are the whole trace's.
+_PLANE_FIELDS = ("devices", "busy_union_ns", "h2d_small_copies", "link_gaps", "launch_gaps",
+                 "layer_chain")
 
 
 def summarize_dir(trace_dir: str, top: int) -> dict:
@@ -256,7 +351,7 @@ def main(argv=None) -> None:
   """``python -m lab.trace_summary OUT.json TRACE...``: the summary of each kept trace
   (``.xplane.pb`` or ``.xplane.pb.gz``), keyed by file name (by the path given where two share
   one); ``--only KEY`` keeps one field of the device plane (e.g. ``link_gaps``; ``launch_gaps``
-  is the host plane's)."""
+  is the host plane's), or a field of the whole trace (``copies_in_kernels``)."""
   import argparse
   import json
   ap = argparse.ArgumentParser(prog="python -m lab.trace_summary")
@@ -272,7 +367,10 @@ def main(argv=None) -> None:
     if args.only:
       if args.only not in summary:
         raise ValueError(f"--only: {args.only!r} is not a summary field ({sorted(summary)})")
-      (summary,) = summary[args.only].values()  # the one GPU plane
+      if args.only in _PLANE_FIELDS:
+        (summary,) = summary[args.only].values()  # the one GPU plane (or host thread)
+      else:
+        summary = summary[args.only]
     result[name if names.count(name) == 1 else path] = summary  # decode_trace names repeat
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

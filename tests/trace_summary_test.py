@@ -131,3 +131,44 @@ def test_launch_gaps_per_program():
   assert got["jit__write_quantized"] == dict(count=2, median_ns=1000 * us, total_ns=2000 * us)
   assert got["jit_join"] == dict(count=1, median_ns=30 * us, total_ns=30 * us)
   assert launch_gaps([]) == {}
+
+
+def test_copies_in_kernels_counts_the_work_threads_copies_and_the_puts_waits():
+  # Two kernels (1-3 ms, 6-8 ms): work-thread copies at 0.5, 3.1, 3.2 and 5 ms (none inside a
+  # kernel); a put at 0.3 ms (outside: its copy 0.2 ms later) and one at 1.5 ms (inside: it
+  # waits for the copy at 3.1 ms, 1.6 ms). A put after the last copy has none to wait for.
+  from lab.trace_summary import copies_in_kernels
+  ms = 1_000_000
+  got = copies_in_kernels([(6 * ms, 8 * ms), (1 * ms, 3 * ms)],
+                          [int(3.2 * ms), int(0.5 * ms), int(3.1 * ms), 5 * ms],
+                          [int(1.5 * ms), int(0.3 * ms), 9 * ms])
+  assert got["kernels"] == 2 and got["runner_copies"] == 4
+  assert got["runner_copies_in_kernels"] == 0
+  assert abs(got["kernel_time_fraction"] - 2 / 4.5) < 1e-9  # 1-3 ms of the copies' 0.5-5 ms
+  assert (got["puts_in_kernels"], got["put_wait_in_kernels_ns"]) == (1, int(1.6 * ms))
+  assert (got["puts_outside"], got["put_wait_outside_ns"]) == (1, int(0.2 * ms))
+  inside = copies_in_kernels([(0, 10 * ms)], [ms, 2 * ms], [])
+  assert inside["runner_copies_in_kernels"] == 2 and inside["put_wait_in_kernels_ns"] is None
+
+
+def test_share_windows_run_from_the_query_landing_to_the_wait():
+  # Each share: its start's dispatch, the query's copy to the host landing 0.4 ms later, its
+  # wait ending 3 ms after the start. A wait with no start before it is no window.
+  from lab.trace_summary import _share_windows
+  ms = 1_000_000
+  main = [(int(0.5 * ms), int(0.1 * ms), "rkv.share.wait")]
+  d2h = []
+  for lo in (1 * ms, 5 * ms):
+    main += [(lo, int(0.2 * ms), "rkv.share.start"), (lo + int(2.5 * ms), int(0.5 * ms),
+                                                       "rkv.share.wait")]
+    d2h.append((lo + int(0.3 * ms), int(0.1 * ms)))
+  assert _share_windows(main[::-1], d2h) == [(int(1.4 * ms), 4 * ms), (int(5.4 * ms), 8 * ms)]
+
+
+def test_copy_requests_are_the_puts_that_move_something():
+  from lab.trace_summary import BATCHED_PUT, PUT_COPY, _copy_requests
+  events = [(100, 50, BATCHED_PUT), (110, 5, PUT_COPY), (120, 5, PUT_COPY),  # a tile's put
+            (300, 20, BATCHED_PUT),  # an argument's put that copies nothing
+            (500, 30, BATCHED_PUT), (510, 5, PUT_COPY)]
+  assert _copy_requests(events[::-1]) == [100, 500]
+  assert _copy_requests([]) == []
