@@ -214,8 +214,21 @@ def early_puts(kv, q, *, tactic: str, cpu_fraction: float | None,
   rewritten (a flush adds one at the end), so the tiles requested before the append are the ones
   attended after it; as many as the eager schedule would request up front (``lookahead``), so no
   more device memory than without it."""
-  if (not validation.env_switch(EARLY_PUTS_ENV, True) or schedule != "eager" or not isinstance(kv, cache_lib.RollingKV)
-      or jnp.shape(q)[1] > MAX_DECODE_QUERIES or _tracing(q, kv)):
+  if _tracing(q, kv):
+    return None
+  return early_tile_puts(kv, jnp.shape(q)[1], tactic=tactic, cpu_fraction=cpu_fraction,
+                         schedule=schedule, lookahead=lookahead)
+
+
+def early_tile_puts(kv, n_queries: int, *, tactic: str, cpu_fraction: float | None,
+                    schedule: str = DEFAULT_SCHEDULE,
+                    lookahead: int | None = DEFAULT_LOOKAHEAD) -> tuple[stream.Tile, ...] | None:
+  """:func:`early_puts` for a step of ``n_queries`` queries, before its query exists (``kv``
+  concrete): ``layered_forward`` puts a host-share layer's tiles before the program that makes
+  its query, so that their copies are enqueued before the share's kernel takes the host's cores
+  (docs/DESIGN.md §6)."""
+  if (not validation.env_switch(EARLY_PUTS_ENV, True) or schedule != "eager"
+      or not isinstance(kv, cache_lib.RollingKV) or n_queries > MAX_DECODE_QUERIES):
     return None
   if tactic != "hybrid":
     # Measured on the H200 for hybrid layers only. A stream layer whose tiles all came early would

@@ -470,6 +470,53 @@ def test_layered_forward_host_share_equals_the_python_worker(monkeypatch, tactic
     _decode_with(tactic)
 
 
+def test_host_share_layers_put_their_tiles_before_the_share_starts(monkeypatch):
+  """$RKV_HOST_SHARE=1: a hybrid layer's first streamed tiles are put before the program that
+  makes its query, so before its share's start: on the H200 a put issued while a share's kernel
+  ran waited up to ~2 ms for PJRT's threads to enqueue its copies (docs/DESIGN.md §6). Those
+  tiles are the ones the layer attends (attend puts none of its own), one put a layer."""
+  from rkv import rolling
+  from rkv.models import transformer
+  events = []
+  real_puts, real_early_puts = rolling.early_tile_puts, rolling.early_puts
+
+  def tile_puts(kv, n, **kw):
+    tiles = real_puts(kv, n, **kw)
+    events.append(("put", tiles is not None and len(tiles) > 0))
+    return tiles
+
+  def early_puts(*a, **kw):  # attend's own (a layer given no staged tiles)
+    tiles = real_early_puts(*a, **kw)
+    events.append(("attend_put", tiles is not None))
+    return tiles
+
+  real_for_layer = transformer._HostShares.for_layer
+
+  def for_layer(self, *a, **kw):
+    share = real_for_layer(self, *a, **kw)
+    if not getattr(share, "_spied", False):
+      start = share.start_program
+      share.start_program = lambda *x: (events.append(("start", None)), start(*x))[1]
+      share._spied = True
+    return share
+
+  monkeypatch.setattr(rolling, "early_tile_puts", tile_puts)
+  monkeypatch.setattr(rolling, "early_puts", early_puts)
+  monkeypatch.setattr(transformer._HostShares, "for_layer", for_layer)
+  monkeypatch.setenv("RKV_HOST_SHARE", "1")
+  _decode_with("hybrid")
+  starts = [i for i, (what, _) in enumerate(events) if what == "start"]
+  assert starts
+  for i in starts:
+    assert events[i - 1] == ("put", True), events[max(0, i - 3):i + 1]
+  assert ("attend_put", True) not in [events[i + 1] for i in starts if i + 1 < len(events)]
+  # attend's own puts (the steps that take the Python path: the prefill, the flushing step)
+  # record ("put", ...) inside ("attend_put", ...): every other put is a share layer's.
+  layered = [i for i, e in enumerate(events) if e == ("put", True)
+             and (i + 1 == len(events) or events[i + 1][0] != "attend_put")]
+  assert len(layered) == len(starts)
+
+
 @pytest.mark.gpu
 def test_layered_forward_host_share_on_the_gpu(monkeypatch):
   # The same check with the CUDA handlers: the query's copies and the worker's wake-up enqueued

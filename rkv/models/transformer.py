@@ -711,8 +711,27 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
             cache, tokens.shape[1],
             schedule=attn_kw[i].get("schedule", rolling_lib.DEFAULT_SCHEDULE)):
           share = host_shares.for_layer(i, cache, tokens.shape, attn_kw[i])
+        kw = attn_kw[i]
+        if ahead is not None and i in ahead:
+          kw = dict(kw, staged=ahead.pop(i))
         if pending is not None:
           parts = host_share.awaited(pending[1], pending[3])
+        if share is not None and kw.get("staged") is None:
+          # This layer's first streamed tiles, put before its query is made and so before its
+          # share's kernel can start: while that kernel runs on all but one of the host's cores,
+          # PJRT's threads, which enqueue the tiles' copies, may wait for it to end. On the H200
+          # under the share, most tiles put after the kernel began waited 0.5-2.5 ms for their
+          # first copy (0.13 ms before it), and the link idled 1.4-1.6 ms a layer (session 19's
+          # traces; lab.trace_summary.copies_in_kernels, docs/DESIGN.md §6). On the GPU the
+          # previous layer's kernel is done here: its wait's launch returns only then.
+          with jax.profiler.TraceAnnotation("rkv.share.puts"):
+            staged = rolling_lib.early_tile_puts(
+                cache, tokens.shape[1], tactic=cache.tactic, cpu_fraction=cache.cpu_fraction,
+                schedule=kw.get("schedule", rolling_lib.DEFAULT_SCHEDULE),
+                lookahead=kw.get("lookahead", rolling_lib.DEFAULT_LOOKAHEAD))
+          if staged:
+            kw = dict(kw, staged=staged)
+        if pending is not None:
           with jax.profiler.TraceAnnotation("rkv.layer.join"):
             x, q, k, v = joins[i](blocks[i - 1][1], leaves, x, parts, rope_cs,
                                   o_dtype=pending[2])
@@ -723,12 +742,9 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
         if share is not None:
           with jax.profiler.TraceAnnotation("rkv.share.start"):
             token = share.start_program(q, positions)
-        kw = attn_kw[i]
         if joins is not None and isinstance(cache, cache_lib.RollingKV):
           hook = None
           if ahead is not None:
-            if i in ahead:
-              kw = dict(kw, staged=ahead.pop(i))
             if i + 1 < len(caches) and isinstance(caches[i + 1], cache_lib.RollingKV):
               hook = functools.partial(put_next, i + 1, q)
           with jax.profiler.TraceAnnotation("rkv.layer.attend"):
