@@ -9,15 +9,16 @@
 # kernel can start); the fused step with the share did so already. What we expect, written down
 # before it runs: the share's layers' puts wait ~0.15 ms for their copies, the link's idle time a
 # layer falls well under 1 ms, and the share (both forms) beats the default at 2M int8 (the
-# trace's terms: ~3.7-4.0 ms a layer against 5.3, so 7.5-8.4 tok/s against ~6.4).
+# trace's terms: ~3.7-4.0 ms a layer against 5.3, so 7.5-8.2 tok/s against ~6.4).
 # Also unmeasured on the GPU since session 19: the append's offset as a device scalar in the
 # fused step's head program, the share's start / wait on jit's C++ dispatch (no FFI effect), the
 # share inside the fused step (five dispatches a layer).
 # Each part is one device call (10 minutes at most), in order of what they decide:
 #   bash benchmarks/session20_h200.sh a   # the full -m gpu suite (stops if the share's tests
 #                                         # fail); 2M int8 alternating default / share / fused +
-#                                         # share, twice, and the share as session 19 ran it
-#                                         # (SRC=ab_prev: git archive 59e5fb1, see below)
+#                                         # share, twice, and the share with its tiles put
+#                                         # after its start (SRC=ab_prev: git archive 59e5fb1,
+#                                         # the code before the reorder; see below)
 #   bash benchmarks/session20_h200.sh b   # the mechanism: a traced share step and a traced fused
 #                                         # + share step at 2M int8 (then, here:
 #                                         # python -m lab.trace_summary --only=copies_in_kernels
