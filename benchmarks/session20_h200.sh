@@ -29,7 +29,8 @@
 #                                         # host time in session 19's traces) and with its CPU
 #                                         # share swept over 2-4 tiles
 #   bash benchmarks/session20_h200.sh c   # 1M, 128K half and B=8 x 128K, default and fused +
-#                                         # share (or the winner of a)
+#                                         # share (or the winner of a); 2M int8 fused + share
+#                                         # on 16K-cell tiles, its CPU share swept
 # ab_prev/: git archive 59e5fb1 rkv lab experiments benchmarks/results/profile_h200_v3.json |
 # tar -x -C ab_prev (ignored by git; carry it).
 # If a share form wins: on by default (RKV_HOST_SHARE, and RKV_FUSED_DECODE if the fused form
@@ -77,6 +78,10 @@ case "$PART" in
       T=70 $pre run half128_$form --configs=rkv_offload --contexts=131072
       T=80 $pre run b8_$form --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     done
+    # Finer tiles for the fused + share form, whose device partials are one program whatever
+    # the tile count: 16K-cell tiles (~10 a layer), the CPU share at the plan's count, 4 and 5.
+    T=150 fused_share int8_2m 2m_int8_fused_share_tile16k --tile_cells=16384 \
+      --split_cpu_tiles=4,5 --sweep_rounds=1
     ;;
 esac
 echo "== done $(date +%T)"
