@@ -509,7 +509,8 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # the share's own programs are tiny. A step whose append fills a tile takes the Python path. The
 # fused decode step (rkv.models.fused_decode) runs the same shares between its two programs.
 # Read at each step; off by default: exact on the CPU backend and the H200, no faster there
-# (session 19, docs/DESIGN.md §6).
+# (session 19), where its layers' tiles were put after its kernel had started and their copies
+# waited for it; they are put before it now (session 20, unmeasured; docs/DESIGN.md §6).
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 
 

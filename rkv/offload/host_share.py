@@ -1,7 +1,9 @@
 """A layer's CPU share run by a C++ thread, started and awaited inside jitted programs.
 
 Experimental and off (session 18; exact on the CPU backend and, session 19, on the H200, where it
-was no faster than the Python worker: docs/DESIGN.md §6). The Python path of a
+was no faster than the Python worker: its layers' tiles, put after its kernel had started, waited
+for it to end; ``layered_forward`` puts them before it since session 20, unmeasured:
+docs/DESIGN.md §6). The Python path of a
 hybrid layer (``rkv.rolling``) runs the CPU kernel in a Python worker thread that must take the
 GIL to start, to bring the query down and to set the kernel up: ~2 ms of a 5.5 ms layer at 2M
 int8 on the H200 before the kernel ran (docs/DESIGN.md §6, "the layer chain"). A
