@@ -31,6 +31,9 @@
 #   bash benchmarks/session20_h200.sh c   # 1M, 128K half and B=8 x 128K, default and fused +
 #                                         # share (or the winner of a); 2M int8 fused + share
 #                                         # on 16K-cell tiles, its CPU share swept
+#   bash benchmarks/session20_h200.sh d   # if time is left: the int8 decode kernel alone
+#                                         # against bf16 (experiments.kernel_bench --layers
+#                                         # --kv_dtype=int8), three int8 tilings
 # ab_prev/: git archive 59e5fb1 rkv lab experiments benchmarks/results/profile_h200_v3.json |
 # tar -x -C ab_prev (ignored by git; carry it).
 # If a share form wins: on by default (RKV_HOST_SHARE, and RKV_FUSED_DECODE if the fused form
@@ -82,6 +85,20 @@ case "$PART" in
     # the tile count: 16K-cell tiles (~10 a layer), the CPU share at the plan's count, 4 and 5.
     T=150 fused_share int8_2m 2m_int8_fused_share_tile16k --tile_cells=16384 \
       --split_cpu_tiles=4,5 --sweep_rounds=1
+    ;;
+  d)
+    # The int8 decode kernel alone (32 layers in one program, each over its own K/V), against
+    # the bf16 kernel at the same contexts, and three int8 tilings: in the 2M int8 traces the
+    # int8 window read 2.16 TB/s against bf16's 4.31 at the same cells (docs/DESIGN.md §7).
+    host
+    for kv in native int8; do
+      echo "== kernel $kv $(date +%T)"
+      PYTHONPATH=$PWD timeout 150 python3 -m experiments.kernel_bench --layers=32 \
+        --contexts=131072,524288 --kv_dtype=$kv --out=$D/kernel_layers_$kv.json \
+        --sweep_decode='[{"block_k": 64}, {"block_k": 64, "num_warps": 8}, {"num_warps": 8}]' \
+        2>&1 | grep -E "TB/s|Error" | tail -12
+      pack
+    done
     ;;
 esac
 echo "== done $(date +%T)"

@@ -6,7 +6,8 @@ On a CPU (the self-check the README's demo runs; kernels in interpret mode, smal
   python -m experiments.kernel_bench --quick
 Sweep block sizes (JSON lists of BlockSizes overrides):
   python -m experiments.kernel_bench --sweep_decode='[{"block_k": 256, "num_warps": 4}]'
-Decode attention as a model step runs it (32 calls in one program, each over its own K/V):
+Decode attention as a model step runs it (32 calls in one program, each over its own K/V; with
+--kv_dtype=int8, int8 K/V with bfloat16 scales):
   python -m experiments.kernel_bench --layers=32 --contexts=2048,32768 --sweep_decode='[...]'
 """
 
@@ -26,6 +27,9 @@ _LAYERS = flags.DEFINE_integer("layers", 0, "Decode attention only, this many ca
                                 lower_bound=0)
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768", "131072"],
                               "Contexts of the --layers rows (B=1, H=32, K=8, D=128).")
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", "native", ["native", "int8"],
+                              "K/V of the --layers rows: the run's float dtype, or int8 with "
+                              "bfloat16 scales.")
 _N_OUTER = flags.DEFINE_integer("n_outer", 7, "Timed batches per contender (the median is reported).",
                                 lower_bound=1)
 
@@ -42,7 +46,7 @@ def main(argv):
     if not contexts or min(contexts) < 1:
       raise SystemExit(f"--contexts must be positive integers, got {_CONTEXTS.value}")
     result = kernel_bench.run_layers(contexts=contexts, layers=_LAYERS.value,
-                                     n_outer=_N_OUTER.value,
+                                     n_outer=_N_OUTER.value, kv_dtype=_KV_DTYPE.value,
                                      sweep_decode=kernel_bench.parse_sweep(_SWEEP_DECODE.value))
     print(benchmarking.format_table(result["rows"], kernel_bench.LAYER_COLUMNS))
     if _OUT.value:

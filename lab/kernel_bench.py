@@ -10,6 +10,7 @@ On a CPU the quick mode checks the kernels (interpret mode) against the referenc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 import rkv
 from rkv import benchmarking
+from rkv import cache as cache_lib
 from rkv.pallas import decode_attention as decode_kernel
 from rkv.pallas import flash_attention as flash_kernel
 from rkv.planner.profile import H200_DEFAULT
@@ -152,10 +154,17 @@ def run(*, quick: bool, sweep_decode: list[dict[str, Any]] | None = None,
               rows=rows)
 
 
+KV_DTYPES = ("native", "int8")
+
+
 def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str, Any]] | None = None,
-               n_outer: int = 7, log=print) -> dict[str, Any]:
+               n_outer: int = 7, kv_dtype: str = "native", log=print) -> dict[str, Any]:
   """Decode attention as a model step issues it: ``layers`` calls in one program, each over its
-  own K/V (B=1, H=32, K=8, D=128, one query), for every context in ``contexts``.
+  own K/V (B=1, H=32, K=8, D=128, one query), for every context in ``contexts``. ``kv_dtype``:
+  ``"native"`` (bfloat16 on a GPU, float32 on a CPU) or ``"int8"`` (K/V quantized per cell and
+  KV head with bfloat16 scales, as a ``RollingKV`` keeps them; contenders rkv's Pallas and XLA
+  paths, which read int8; the bytes count the scales). Why int8: the 2M int8 traces read its
+  window at 2.16 TB/s against bf16's 4.31 at the same cells (docs/DESIGN.md §7).
 
   Why a stack and not one call: a lone call's time holds a launch and the host's dispatch, and
   back-to-back calls of one program re-read a K/V that may sit in the 60 MB L2 at short contexts;
@@ -166,31 +175,56 @@ def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str,
     raise ValueError(f"run_layers: layers must be a positive int, got {layers!r}")
   if not contexts or any(not isinstance(c, int) or c < 1 for c in contexts):
     raise ValueError(f"run_layers: contexts must be positive ints, got {contexts!r}")
+  if kv_dtype not in KV_DTYPES:
+    raise ValueError(f"run_layers: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  quantized = kv_dtype == "int8"
   rows = []
   for s in contexts:
     shape = Shape("decode", 1, 1, s)
     qs, ks, vs = zip(*(_inputs(shape, dtype, seed=layer) for layer in range(layers)))
+    if quantized:  # each layer's K/V as (int8 cells, bfloat16 scales) pairs
+      pairs = [cache_lib.quantize_pair(k, v, scale_dtype=jnp.bfloat16) for k, v in zip(ks, vs)]
+      ks, vs = zip(*pairs)
     fns = {"rkv_pallas": None}
     fns.update({f"rkv_pallas[{i}]": cfg for i, cfg in enumerate(sweep_decode or [])})
 
     def stack(call):
       return jax.jit(lambda qs, ks, vs: [call(q, k, v) for q, k, v in zip(qs, ks, vs)])
 
+    def scales(k, v):  # the int8 pair's operands: K/V cells and their scales
+      if not quantized:
+        return (k, v), {}
+      (k8, k_scale), (v8, v_scale) = k, v
+      return (k8, v8), dict(k_scale=k_scale, v_scale=v_scale)
+
+    def pallas(q, k, v, bs=None):
+      (k, v), kw = scales(k, v)
+      if bs is None:
+        return rkv.attention(q, k, v, impl="pallas", **kw)[0]
+      return decode_kernel.decode_attention(q, k, v, block_sizes=bs, **kw)[0]
+
     contenders = {}
     for name, cfg in fns.items():
       bs = None if cfg is None else dataclasses.replace(decode_kernel.BlockSizes(), **cfg)
-      contenders[name] = stack(lambda q, k, v, bs=bs: (
-          rkv.attention(q, k, v, impl="pallas")[0] if bs is None
-          else decode_kernel.decode_attention(q, k, v, block_sizes=bs)[0]))
-    if on_gpu:
-      contenders["cudnn"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, implementation="cudnn"))
-    contenders["jax_xla"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, implementation="xla"))
+      contenders[name] = stack(functools.partial(pallas, bs=bs))
+    def xla(q, k, v):
+      (k, v), kw = scales(k, v)
+      return rkv.attention(q, k, v, impl="xla", **kw)[0]
+
+    if quantized:  # jax's attention reads no int8; rkv's XLA path does
+      contenders["rkv_xla"] = stack(xla)
+    else:
+      if on_gpu:
+        contenders["cudnn"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, implementation="cudnn"))
+      contenders["jax_xla"] = stack(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, implementation="xla"))
     ref = None
-    layer_bytes = shape.kv_bytes(jnp.dtype(dtype).itemsize)
+    # int8: a byte a K/V element and two a scale (one scale per cell and KV head, K and V).
+    layer_bytes = (shape.kv_bytes(1) + 2 * shape.b * shape.s * shape.k * 2 if quantized
+                   else shape.kv_bytes(jnp.dtype(dtype).itemsize))
     for name, fn in contenders.items():
       try:
         timing = benchmarking.time_fn(fn, qs, ks, vs, n_outer=n_outer, n_inner=3)
@@ -205,6 +239,7 @@ def run_layers(*, contexts: list[int], layers: int, sweep_decode: list[dict[str,
       per_layer = timing.median_s / layers
       row = dict(shape=f"{layers} layers x {shape.name}", kind="decode_layers", s=s,
                  layers=layers, impl=name, dtype=jnp.dtype(dtype).name,
+                 kv_dtype="int8" if quantized else jnp.dtype(dtype).name,
                  us_per_layer=per_layer * 1e6, kv_read_tbps=layer_bytes / per_layer / 1e12,
                  hbm_bound_ratio=per_layer / (layer_bytes / (HBM_TBPS * 1e12)),
                  max_abs_diff_vs_rkv_pallas=diff, n_inner=timing.n_inner,
