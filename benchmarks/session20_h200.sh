@@ -10,6 +10,11 @@
 # before it runs: the share's layers' puts wait ~0.15 ms for their copies, the link's idle time a
 # layer falls well under 1 ms, and the share (both forms) beats the default at 2M int8 (the
 # trace's terms: ~3.7-4.0 ms a layer against 5.3, so 7.5-8.2 tok/s against ~6.4).
+# What to look for in part b's traces if the link still idles: a tile's copy whose device
+# memory is the previous layer's tile (the allocator reuses the block just freed; the reserve is
+# lean) waits on the GPU for that tile's partial, which the compute stream runs after the
+# window's ~1.8 ms int8 kernel: a wait on the device, not on the host (LocalDeviceState::WaitFor
+# spans on PJRT's threads, then the copy's late start on the H2D stream).
 # Also unmeasured on the GPU since session 19: the append's offset as a device scalar in the
 # fused step's head program, the share's start / wait on jit's C++ dispatch (no FFI effect), the
 # share inside the fused step (five dispatches a layer).
