@@ -675,12 +675,16 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
     ahead = {} if chain is None and stream_lib.next_puts_on() else None
     use_shares = joins is not None and chain is None and share_env
 
-    def put_next(j, q):
-      nxt, kw_j = caches[j], attn_kw[j]
-      tiles = rolling_lib.early_puts(
-          nxt, q, tactic=nxt.tactic, cpu_fraction=nxt.cpu_fraction,
+    def first_tiles(j):
+      """Layer j's first streamed tiles, put now (rolling.early_tile_puts), or None."""
+      cache_j, kw_j = caches[j], attn_kw[j]
+      return rolling_lib.early_tile_puts(
+          cache_j, tokens.shape[1], tactic=cache_j.tactic, cpu_fraction=cache_j.cpu_fraction,
           schedule=kw_j.get("schedule", rolling_lib.DEFAULT_SCHEDULE),
           lookahead=kw_j.get("lookahead", rolling_lib.DEFAULT_LOOKAHEAD))
+
+    def put_next(j):
+      tiles = first_tiles(j)
       if tiles:
         ahead[j] = tiles
 
@@ -726,10 +730,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
           # traces; lab.trace_summary.copies_in_kernels, docs/DESIGN.md §6). On the GPU the
           # previous layer's kernel is done here: its wait's launch returns only then.
           with jax.profiler.TraceAnnotation("rkv.share.puts"):
-            staged = rolling_lib.early_tile_puts(
-                cache, tokens.shape[1], tactic=cache.tactic, cpu_fraction=cache.cpu_fraction,
-                schedule=kw.get("schedule", rolling_lib.DEFAULT_SCHEDULE),
-                lookahead=kw.get("lookahead", rolling_lib.DEFAULT_LOOKAHEAD))
+            staged = first_tiles(i)
           if staged:
             kw = dict(kw, staged=staged)
         if pending is not None:
@@ -747,7 +748,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
           hook = None
           if ahead is not None:
             if i + 1 < len(caches) and isinstance(caches[i + 1], cache_lib.RollingKV):
-              hook = functools.partial(put_next, i + 1, q)
+              hook = functools.partial(put_next, i + 1)
           with jax.profiler.TraceAnnotation("rkv.layer.attend"):
             if share is not None:
               (part,), cache = cache.attend(q, k, v, positions, merge=False, while_waiting=hook,
