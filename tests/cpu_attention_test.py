@@ -8,6 +8,7 @@ result: the split into work items depends only on the shapes, so those checks ar
 """
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -744,3 +745,48 @@ def test_tail_tile_pointers_are_reused_while_the_tiles_live(monkeypatch, dtype):
   del kv
   gc.collect()
   assert all(r() is None for r in refs)
+
+
+_NICE_PROBE = r"""
+import json, os, sys
+import numpy as np
+from rkv.offload import cpu_attention as ca
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 1, 4, 64)).astype(np.float32)
+k = rng.standard_normal((1, 4096, 2, 64)).astype(np.float32)
+v = rng.standard_normal((1, 4096, 2, 64)).astype(np.float32)
+plain = ca.cpu_attention(q, k, v, num_threads=2)
+os.environ[ca.WORKER_NICE_ENV] = sys.argv[1]
+niced = ca.cpu_attention(q, k, v, num_threads=2)
+# Field 19 of /proc/<pid>/task/<tid>/stat is the thread's nice value (after the ')' of comm).
+nice = {}
+for tid in os.listdir("/proc/self/task"):
+  with open(f"/proc/self/task/{tid}/stat") as f:
+    nice[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+main = os.getpid()
+print(json.dumps({"main": nice[main], "others": sorted(n for t, n in nice.items() if t != main),
+                  "equal": all(np.array_equal(a, b) for a, b in zip(plain, niced))}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread nice values: Linux only")
+def test_worker_nice_lowers_the_kernel_team_but_not_its_caller():
+  # In a child process: a team thread keeps its nice value for the life of the process.
+  proc = subprocess.run([sys.executable, "-c", _NICE_PROBE, "7"], capture_output=True,
+                        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got["main"] == 0  # the caller (OpenMP thread 0) is left as it was
+  assert 7 in got["others"]  # the team's second thread
+  assert got["equal"]  # the result does not depend on the threads' priority
+
+
+def test_worker_nice_rejects_values_outside_nice_range(monkeypatch):
+  for bad in ("-1", "20", "high"):
+    monkeypatch.setenv(ca.WORKER_NICE_ENV, bad)
+    with pytest.raises(ValueError, match="RKV_CPU_KERNEL_NICE"):
+      ca.worker_nice()
+  monkeypatch.setenv(ca.WORKER_NICE_ENV, "5")
+  assert ca.worker_nice() == 5
+  monkeypatch.delenv(ca.WORKER_NICE_ENV)
+  assert ca.worker_nice() == 0

@@ -75,7 +75,7 @@ _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 class _Args(ctypes.Structure):
-  """Mirror of ``rkv_attn_args`` in cpu_kernel.c (ABI version 3)."""
+  """Mirror of ``rkv_attn_args`` in cpu_kernel.c (ABI version 4)."""
 
   _fields_ = [
       ("q", ctypes.c_void_p), ("q_pos", ctypes.c_void_p),
@@ -104,6 +104,7 @@ def _lib() -> ctypes.CDLL:
   key = os.environ.get(cpu_build.SO_ENV)
   lib = _LOADED.get(key)
   if lib is not None:
+    _set_worker_nice(lib)
     return lib
   lib = cpu_build.load_library()
   _LOADED[key] = lib
@@ -118,8 +119,42 @@ def _lib() -> ctypes.CDLL:
     lib.rkv_fill.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.rkv_fill.restype = None
     lib.rkv_cpu_kernel_max_threads.restype = ctypes.c_int
+    lib.rkv_cpu_kernel_set_worker_nice.argtypes = [ctypes.c_int]
+    lib.rkv_cpu_kernel_set_worker_nice.restype = None
+    lib.rkv_cpu_kernel_worker_nice.restype = ctypes.c_int
     lib._rkv_typed = True
+    lib._rkv_nice_env = None
+  _set_worker_nice(lib)
   return lib
+
+
+# The nice value of the kernel's helper threads (cpu_kernel.c, apply_worker_nice): 0 (the
+# default) leaves them as they are; 1-19 lets PJRT's threads, which enqueue the streamed tiles'
+# copies, take a core from the kernel's team at once (docs/DESIGN.md section 6).
+WORKER_NICE_ENV = "RKV_CPU_KERNEL_NICE"
+
+
+def worker_nice() -> int:
+  """``$RKV_CPU_KERNEL_NICE`` as a nice value in 0..19 (0 when unset)."""
+  env = os.environ.get(WORKER_NICE_ENV, "").strip()
+  if not env:
+    return 0
+  try:
+    n = int(env)
+  except ValueError:
+    n = -1
+  if not 0 <= n <= 19:
+    raise ValueError(f"${WORKER_NICE_ENV} must be a nice value from 0 to 19, got {env!r}")
+  return n
+
+
+def _set_worker_nice(lib: ctypes.CDLL) -> None:
+  # Read on every load lookup (one environ get; parsed only when it changed), so a value set
+  # after the library was loaded applies to the next kernel call.
+  env = os.environ.get(WORKER_NICE_ENV)
+  if env != lib._rkv_nice_env:
+    lib.rkv_cpu_kernel_set_worker_nice(worker_nice())
+    lib._rkv_nice_env = env
 
 
 def kernel_isa() -> str:

@@ -38,7 +38,7 @@ import tempfile
 import warnings
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.c")
-ABI_VERSION = 3  # must equal RKV_ABI_VERSION in cpu_kernel.c
+ABI_VERSION = 4  # must equal RKV_ABI_VERSION in cpu_kernel.c
 LIB_NAME = "librkv_cpu_kernel.so"
 SO_ENV = "RKV_CPU_KERNEL_SO"
 CACHE_ENV = "RKV_CACHE_DIR"

@@ -88,6 +88,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -102,7 +107,7 @@
 #define RKV_AVX512 0
 #endif
 
-#define RKV_ABI_VERSION 3
+#define RKV_ABI_VERSION 4
 #define RKV_BLOCK 32           /* cells per online-softmax block (a multiple of 8) */
 #define RKV_TARGET_ITEMS 256   /* work items wanted for dynamic load balance */
 #define RKV_MIN_CHUNK 256      /* cells: below this, per-item overhead dominates */
@@ -159,6 +164,30 @@ int rkv_cpu_kernel_max_threads(void) {
   return omp_get_max_threads();
 #else
   return 1;
+#endif
+}
+
+/* The kernel's helper threads (the OpenMP team but its caller, thread 0) at a lower priority:
+ * nice <= 0 leaves them as they are. Why: while the kernel runs, its team holds all cores but
+ * one, and PJRT's work threads, which enqueue the streamed tiles' host-to-device copies, waited
+ * for a core (0.5-2.5 ms per copy in the host share's traces, docs/DESIGN.md section 6). At a
+ * higher nice value a team thread yields its core to them at once. The team's loop is scheduled
+ * dynamically, so a thread preempted for a while delays the kernel by little. Linux only (a
+ * no-op elsewhere); best effort: a thread whose priority cannot be changed keeps running as it
+ * is. A team thread keeps the value it was given until it is given another (OpenMP reuses its
+ * threads), and lowering it back needs CAP_SYS_NICE. */
+static volatile int g_worker_nice = 0;
+void rkv_cpu_kernel_set_worker_nice(int nice) { g_worker_nice = nice; }
+int rkv_cpu_kernel_worker_nice(void) { return g_worker_nice; }
+
+static void apply_worker_nice(void) {
+#if defined(_OPENMP) && defined(__linux__)
+  static __thread int applied = 0;
+  const int want = g_worker_nice;
+  if (want == applied || omp_get_thread_num() == 0) return;
+  if (want <= 0 && applied == 0) return;
+  (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), want);
+  applied = want;
 #endif
 }
 
@@ -1374,6 +1403,7 @@ int rkv_cpu_attention(const rkv_attn_args* a, int num_threads, int64_t chunk, fl
 #pragma omp parallel num_threads(num_threads)
 #endif
   {
+    apply_worker_nice();
     scratch w;
     memset(&w, 0, sizeof w);
     int ok = items == 0 || scratch_alloc(&w, K, R, T, Dp);
