@@ -95,6 +95,24 @@ case "$PART" in
     SRC=ab_prev share int1m 1m_int8_share_s19
     RKV_CPU_KERNEL_NICE=5 share int1m 1m_int8_share_nice5
     ;;
+  h2)
+    # Part h ran every layer as a stream (a 4 GiB tail: no CPU share). Here the tail is set to
+    # 2M int8's on the H200 (~10 GiB, 15.5% of 1M int8's 65 GiB), so the plan's layers are
+    # hybrid and the share runs.
+    host
+    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
+      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    int1m 1m_int8_t10_default1
+    share int1m 1m_int8_t10_share1
+    SRC=ab_prev share int1m 1m_int8_t10_share_s19
+    RKV_CPU_KERNEL_NICE=5 share int1m 1m_int8_t10_share_nice5
+    int1m 1m_int8_t10_default2
+    share int1m 1m_int8_t10_share2
+    RKV_CPU_TAIL_THREADS=14 share int1m 1m_int8_t10_share_threads14
+    fused_share int1m 1m_int8_t10_fused_share
+    T=100 share trace 1m_int8_t10_share --configs=offload:1048576:0.155 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
+    ;;
   b)
     host
     T=110 share trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
