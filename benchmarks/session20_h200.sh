@@ -113,6 +113,24 @@ case "$PART" in
     T=100 share trace 1m_int8_t10_share --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
+  h3)
+    # Part h2's trace (H100, the main thread busy for the whole layer: 4 tiles put early, then a
+    # program per tile) names the lever: every streamed tile put early and attended in one
+    # program ($RKV_EARLY_PUT_ALL=1 RKV_TILES_ONE_PROGRAM=1), two programs a layer for its device
+    # side instead of ~9. Expected: the layer's main thread ~2 ms shorter, ~6 ms -> ~4 ms, near
+    # the link's ~4-5 ms a layer: 5.8 -> 7-7.5 tok/s.
+    host
+    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
+      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    one() { RKV_EARLY_PUT_ALL=1 RKV_TILES_ONE_PROGRAM=1 "$@"; }
+    share int1m 1m_int8_t10_share1
+    one share int1m 1m_int8_t10_share_one1
+    one int1m 1m_int8_t10_default_one
+    share int1m 1m_int8_t10_share2
+    one share int1m 1m_int8_t10_share_one2
+    T=100 one share trace 1m_int8_t10_share_one --configs=offload:1048576:0.155 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
+    ;;
   b)
     host
     T=110 share trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \

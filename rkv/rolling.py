@@ -118,6 +118,16 @@ def _tiles_merged(q, q_pos, parts, tiles, *, out_dtype, **kw):
 # cross PCIe (one program with them would wait for the last tile to start). Compiled once per
 # number of streamed tiles. Off by default until measured on the H200.
 TILES_ONE_PROGRAM_ENV = "RKV_TILES_ONE_PROGRAM"
+# $RKV_EARLY_PUT_ALL=1: a hybrid layer's early puts (early_puts, early_tile_puts) request every
+# tile it streams, not only the eager schedule's lookahead, so that $RKV_TILES_ONE_PROGRAM
+# applies to layers that stream more tiles than the lookahead. Why: traced on an H100 host (1M
+# int8, a 10 GiB tail, 8 streamed tiles a layer; benchmarks/results/beyond_hbm/session21/), the
+# main thread was busy for the whole 6.8 ms layer: 4 tiles put early, then a program per tile
+# (0.2-0.55 ms of host time each), 2.96 ms of dispatch in all, while the link idled 1.4 ms
+# waiting for the next layer's puts. On the device: every streamed tile of the layer at once
+# (~50 MB each there) where the lookahead kept 4; the planner's reserve does not count them, so
+# it is off by default (an experiment's switch until measured).
+EARLY_PUT_ALL_ENV = "RKV_EARLY_PUT_ALL"
 _tiles_merged_jit = jax.jit(_tiles_merged, static_argnames=_STATIC + ("out_dtype",))
 
 
@@ -235,6 +245,8 @@ def early_tile_puts(kv, n_queries: int, *, tactic: str, cpu_fraction: float | No
     # also change path (one program over staged tiles, not the eager per-tile one): unmeasured.
     return None
   n = streamed_count(kv.n_full_tiles, tactic, cpu_fraction)
+  if validation.env_switch(EARLY_PUT_ALL_ENV, False):
+    lookahead = None
   depth = n if lookahead is None else min(lookahead, n)
   if depth <= 0:
     return None

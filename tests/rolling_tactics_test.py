@@ -671,3 +671,42 @@ def test_attend_unmerged_parts_merge_to_the_merged_output(tactic, share):
                          q_pos=jnp.full((b, 1), 40, jnp.int32), impl="reference")
   rtol, atol = TOLERANCES["float32"]["o"]
   np.testing.assert_allclose(np.asarray(merged), np.asarray(ref), rtol=rtol, atol=atol)
+
+
+def test_early_put_all_puts_every_streamed_tile_so_one_program_applies(monkeypatch):
+  # 6 streamed tiles, more than the lookahead's 4: the early puts cover 4 and the per-tile path
+  # runs; with $RKV_EARLY_PUT_ALL=1 they cover all 6 and $RKV_TILES_ONE_PROGRAM's program runs,
+  # equal to the default path.
+  from rkv.offload import stream
+  rng = np.random.default_rng(21)
+  fill = 90
+  k = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  fresh = lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8,
+                                            capacity=128).with_tactic("hybrid", 0.4)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
+  args = (q, new, new, jnp.full((1, 1), fill, jnp.int32))
+  n_stream = rolling.streamed_count(fresh().n_full_tiles, "hybrid", 0.4)
+  assert n_stream > rolling.DEFAULT_LOOKAHEAD
+  puts, calls = [], []
+  real_puts, real_merged = stream.put_many_eager, rolling._tiles_merged_jit
+  monkeypatch.setattr(stream, "put_many_eager",
+                      lambda tiles, *a, **kw: puts.append(len(tiles)) or real_puts(tiles, *a, **kw))
+  monkeypatch.setattr(rolling, "_tiles_merged_jit",
+                      lambda *a, **kw: calls.append(len(a[3])) or real_merged(*a, **kw))
+  monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "1")
+  off, _ = fresh().attend(*args, impl="xla")
+  assert puts[0] == rolling.DEFAULT_LOOKAHEAD and not calls
+  puts.clear()
+  monkeypatch.setenv("RKV_EARLY_PUT_ALL", "1")
+  on, _ = fresh().attend(*args, impl="xla")
+  assert puts == [n_stream] and calls == [n_stream]
+  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)
+  ref, _ = rkv.attention(q, jnp.concatenate([k, new], 1), jnp.concatenate([v, new], 1),
+                         q_pos=args[3], impl="reference")
+  rtol, atol = TOLERANCES["float32"]["o"]
+  np.testing.assert_allclose(np.asarray(on), np.asarray(ref), rtol=rtol, atol=atol)
+  monkeypatch.setenv("RKV_EARLY_PUT_ALL", "every")
+  with pytest.raises(ValueError, match="RKV_EARLY_PUT_ALL"):
+    fresh().attend(*args, impl="xla")
