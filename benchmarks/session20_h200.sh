@@ -1,15 +1,21 @@
-# The next GPU session's plan (written in sessions 19 and 20, both after their device time was
-# spent; nothing in it has run yet). Session 19 measured the host share (RKV_HOST_SHARE=1) on the
-# H200: exact, no faster. Session 20 read its traces again on the CPU machine
-# (lab.trace_summary.copies_in_kernels, benchmarks/results/beyond_hbm/session20/): PJRT's work
-# threads, which enqueue the tiles' host-to-device copies, enqueued none while a CPU kernel ran
-# in the five Python-worker traces, whose layers put their tiles before the kernel starts; the
-# share's layers put them after their kernel had begun, and most of those puts waited 0.5-2.5 ms
-# for their first copy (0.11-0.14 ms otherwise): the link idled 1.4-1.6 ms a layer. The share's layers now put their first tiles before their query is made (so before the
-# kernel can start); the fused step with the share did so already. What we expect, written down
-# before it runs: the share's layers' puts wait ~0.15 ms for their copies, the link's idle time a
-# layer falls well under 1 ms, and the share (both forms) beats the default at 2M int8 (the
-# trace's terms: ~3.7-4.0 ms a layer against 5.3, so 7.5-8.2 tok/s against ~6.4).
+# The next GPU session's plan (written in sessions 19-21; parts a-d have not run on an H200:
+# sessions 19-20 had no device time left, and in session 21 no H200 could be had in five tries).
+# Session 19 measured the host share (RKV_HOST_SHARE=1) on the H200: exact, no faster. Session 20
+# read its traces again (lab.trace_summary.copies_in_kernels, benchmarks/results/beyond_hbm/
+# session20/): its layers put their tiles after their kernel had begun, and those puts waited
+# 0.5-2.5 ms for their first copy; the link idled 1.4-1.6 ms a layer. The share's layers now put
+# their first tiles before their query is made. Expected, written before it ran: puts wait ~0.15
+# ms, the link idles well under 1 ms a layer, 7.5-8.2 tok/s at 2M int8 against ~6.4.
+# Session 21 checked the mechanism on H100s (parts h, h2, h3 below; results in
+# benchmarks/results/beyond_hbm/session21/): at 1M int8 with a 10 GiB tail (hybrid layers, like
+# 2M int8 on the H200) the puts now wait 0.17 ms (the first half holds), but the link still idled
+# 1.65 ms of a 6.8 ms traced layer, whose main thread was busy throughout (4 tiles put early,
+# then a program per tile). With every tile put early and attended in one program
+# (RKV_EARLY_PUT_ALL=1 RKV_TILES_ONE_PROGRAM=1) the link was busy 4.46 of a 5.02 ms traced layer;
+# untraced, neither moved (6.65 / 6.54 tok/s medians): there the layer was already near the
+# H100 host's PCIe time (~55 GB/s). The fused step with the share ran 14-23% slower in both H100
+# parts that ran it, so part a now measures the one-program share in its place. At 2M int8 on the H200
+# a layer streams 3 tiles (the lookahead is 4), so RKV_TILES_ONE_PROGRAM=1 alone applies there.
 # What to look for in part b's traces if the link still idles: a tile's copy whose device
 # memory is the previous layer's tile (the allocator reuses the block just freed; the reserve is
 # lean) waits on the GPU for that tile's partial, which the compute stream runs after the
@@ -19,31 +25,30 @@
 # fused step's head program, the share's start / wait on jit's C++ dispatch (no FFI effect), the
 # share inside the fused step (five dispatches a layer).
 # Each part is one device call (10 minutes at most), in order of what they decide:
-#   bash benchmarks/session20_h200.sh a   # the full -m gpu suite (stops if the share's tests
-#                                         # fail); 2M int8 alternating default / share / fused +
-#                                         # share, twice, and the share with its tiles put
+#   bash benchmarks/session20_h200.sh a   # the share's -m gpu tests (stops if they fail); 2M
+#                                         # int8 alternating default / share / share in one
+#                                         # program (RKV_TILES_ONE_PROGRAM=1), twice, and the share with its tiles put
 #                                         # after its start (SRC=ab_prev: git archive 59e5fb1,
 #                                         # the code before the reorder; see below)
 #   bash benchmarks/session20_h200.sh h   # part a on an H100 at 1M int8 (a tail like 2M int8's
 #                                         # on the H200), where no H200 can be had
-#   bash benchmarks/session20_h200.sh b   # the mechanism: a traced share step and a traced fused
-#                                         # + share step at 2M int8 (then, here:
+#   bash benchmarks/session20_h200.sh b   # the mechanism: traced share and one-program share
+#                                         # steps at 2M int8 (then, here:
 #                                         # python -m lab.trace_summary --only=copies_in_kernels
-#                                         # and --only=layer_chain over b/x/); both forms with the
-#                                         # kernel on 14 threads (a core for PJRT's threads), the
-#                                         # fused form with command buffers off (each update and
-#                                         # launch of a small program's graph took 50-130 us of
-#                                         # host time in session 19's traces) and with its CPU
-#                                         # share swept over 2-4 tiles
-#   bash benchmarks/session20_h200.sh c   # 1M, 128K half and B=8 x 128K, default and fused +
-#                                         # share (or the winner of a); 2M int8 fused + share
-#                                         # on 16K-cell tiles, its CPU share swept
+#                                         # and --only=layer_chain over b/x/); the one-program
+#                                         # share with the kernel on 14 threads, with command
+#                                         # buffers off (each update and launch of a small
+#                                         # program's graph took 50-130 us of host time in
+#                                         # session 19's traces) and its CPU share swept 2-4 tiles
+#   bash benchmarks/session20_h200.sh c   # 1M, 128K half and B=8 x 128K, default and the
+#                                         # one-program share (or the winner of a); 2M int8 on
+#                                         # 16K-cell tiles, all put early, its CPU share swept
 #   bash benchmarks/session20_h200.sh d   # if time is left: the int8 decode kernel alone
 #                                         # against bf16 (experiments.kernel_bench --layers
 #                                         # --kv_dtype=int8), three int8 tilings
 # ab_prev/: git archive 59e5fb1 rkv lab experiments benchmarks/results/profile_h200_v3.json |
 # tar -x -C ab_prev (ignored by git; carry it).
-# If a share form wins: on by default (RKV_HOST_SHARE, and RKV_FUSED_DECODE if the fused form
+# If a share form wins: on by default (RKV_HOST_SHARE, and RKV_TILES_ONE_PROGRAM if that form
 # wins), the table's hybrid rows re-measured with it and decode_beyond_hbm_h200.json recomposed
 # (benchmarks/compose_beyond_hbm.py). Rows record host_share_layers (layers that ran a share) and
 # code (the library's fingerprint); python3 -m lab.ab_summary DIR gives the medians per side.
@@ -56,6 +61,7 @@ int8_2m() {  # TAG [ARGS...]
 host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 share() { RKV_HOST_SHARE=1 "$@"; }
 fused_share() { RKV_FUSED_DECODE=1 RKV_HOST_SHARE=1 "$@"; }
+share_one() { RKV_TILES_ONE_PROGRAM=1 RKV_HOST_SHARE=1 "$@"; }
 case "$PART" in
   a)
     host
@@ -68,11 +74,11 @@ case "$PART" in
     for i in 1 2; do
       int8_2m 2m_int8_default$i
       share int8_2m 2m_int8_share$i
-      fused_share int8_2m 2m_int8_fused_share$i
+      RKV_TILES_ONE_PROGRAM=1 share int8_2m 2m_int8_share_one$i
     done
     SRC=ab_prev share int8_2m 2m_int8_share_s19
-    # Session 21's lever (last: cut first if the call runs out): the kernel's team at nice 5,
-    # so PJRT's threads take a core from it at once (cpu_kernel.c, apply_worker_nice).
+    # The kernel's team at nice 5 (last: cut first if the call runs out; no effect on the H100
+    # in session 21, part h2): PJRT's threads take a core from it at once.
     RKV_CPU_KERNEL_NICE=5 share int8_2m 2m_int8_share_nice5
     ;;
   h)
@@ -135,25 +141,23 @@ case "$PART" in
     host
     T=110 share trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
-    T=110 fused_share trace 2m_int8_fused_share --configs=beyond:2097152 --kv_dtype=int8 \
+    T=110 share_one trace 2m_int8_share_one --configs=beyond:2097152 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
-    RKV_CPU_TAIL_THREADS=14 share int8_2m 2m_int8_share_threads14
-    RKV_CPU_TAIL_THREADS=14 fused_share int8_2m 2m_int8_fused_share_threads14
-    RKV_CPU_KERNEL_NICE=5 fused_share int8_2m 2m_int8_fused_share_nice5
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= fused_share int8_2m 2m_int8_fused_share_nocb
-    T=150 fused_share int8_2m 2m_int8_fused_share_split --split_cpu_tiles=2,3,4 --sweep_rounds=1
+    RKV_CPU_TAIL_THREADS=14 share_one int8_2m 2m_int8_share_one_threads14
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= share_one int8_2m 2m_int8_share_one_nocb
+    T=150 share_one int8_2m 2m_int8_share_one_split --split_cpu_tiles=2,3,4 --sweep_rounds=1
     ;;
   c)
     host
-    for form in default fused_share; do
+    for form in default share_one; do
       pre=""; [ $form = default ] || pre=$form
       T=80 $pre run 1m_$form --configs=rkv_offload --budget=auto --contexts=1048576
       T=70 $pre run half128_$form --configs=rkv_offload --contexts=131072
       T=80 $pre run b8_$form --configs=rkv_offload --budget=auto --contexts=131072 --batch=8
     done
-    # Finer tiles for the fused + share form, whose device partials are one program whatever
-    # the tile count: 16K-cell tiles (~10 a layer), the CPU share at the plan's count, 4 and 5.
-    T=150 fused_share int8_2m 2m_int8_fused_share_tile16k --tile_cells=16384 \
+    # Finer tiles, every one put early and attended in one program: 16K-cell tiles (~6 streamed
+    # a layer, past the lookahead of 4), the CPU share at the plan's count, 4 and 5.
+    T=150 RKV_EARLY_PUT_ALL=1 share_one int8_2m 2m_int8_share_one_tile16k --tile_cells=16384 \
       --split_cpu_tiles=4,5 --sweep_rounds=1
     ;;
   d)
