@@ -251,18 +251,23 @@ def _share_windows(main, d2h) -> list:
   return out
 
 
+def load_profile(xplane_path: str):
+  """The ``jax.profiler.ProfileData`` of a ``.xplane.pb``, or of a ``.xplane.pb.gz`` (a trace
+  kept by ``decode_trace --xplane_dir``)."""
+  import jax
+  if xplane_path.endswith(".gz"):
+    import gzip
+    with gzip.open(xplane_path, "rb") as f:
+      return jax.profiler.ProfileData.from_serialized_xspace(f.read())
+  return jax.profiler.ProfileData.from_file(xplane_path)
+
+
 def summarize(xplane_path: str, top: int) -> dict:
   """Per device plane: each line's (stream's) busy ns and top events by total ns, the union of
   each kind's busy time, the small host-to-device copies queued behind tiles
   (:func:`small_copies_behind_large`); host spans named ``rkv.*`` (count, total, median ns); the
   traced window's wall ns."""
-  import jax
-  if xplane_path.endswith(".gz"):  # a trace kept by decode_trace --xplane_dir
-    import gzip
-    with gzip.open(xplane_path, "rb") as f:
-      pd = jax.profiler.ProfileData.from_serialized_xspace(f.read())
-  else:
-    pd = jax.profiler.ProfileData.from_file(xplane_path)
+  pd = load_profile(xplane_path)
   out = dict(devices={}, host_spans={})
   lo, hi = None, None
   copies = {}  # device plane -> (its H2D copies, its D2H copies), for layer_chain
