@@ -121,12 +121,14 @@ TILES_ONE_PROGRAM_ENV = "RKV_TILES_ONE_PROGRAM"
 # $RKV_EARLY_PUT_ALL=1: a hybrid layer's early puts (early_puts, early_tile_puts) request every
 # tile it streams, not only the eager schedule's lookahead, so that $RKV_TILES_ONE_PROGRAM
 # applies to layers that stream more tiles than the lookahead. Why: traced on an H100 host (1M
-# int8, a 10 GiB tail, 8 streamed tiles a layer; benchmarks/results/beyond_hbm/session21/), the
-# main thread was busy for the whole 6.8 ms layer: 4 tiles put early, then a program per tile
-# (0.2-0.55 ms of host time each), 2.96 ms of dispatch in all, while the link idled 1.4 ms
-# waiting for the next layer's puts. On the device: every streamed tile of the layer at once
-# (~50 MB each there) where the lookahead kept 4; the planner's reserve does not count them, so
-# it is off by default (an experiment's switch until measured).
+# int8, a 10 GiB tail, 5 streamed tiles a layer; benchmarks/results/beyond_hbm/session21/), the
+# main thread was busy for the whole 6.8 ms layer: 4 tiles put early, then the window's program,
+# a program per tile and a merge (0.17-0.55 ms of host time each, 2.96 ms in all), while the
+# link idled 1.65 ms a layer. With both switches the link was busy 4.46 of 5.02 ms; untraced
+# that host's steps were no faster (already at its link's time; docs/DESIGN.md §6). On the
+# device: every streamed tile of the layer at once (~48 MB each there) where the lookahead keeps
+# 4; the planner's reserve does not count them, so it is off by default (an experiment's switch
+# until measured on the H200).
 EARLY_PUT_ALL_ENV = "RKV_EARLY_PUT_ALL"
 _tiles_merged_jit = jax.jit(_tiles_merged, static_argnames=_STATIC + ("out_dtype",))
 
