@@ -121,7 +121,6 @@ def _lib() -> ctypes.CDLL:
     lib.rkv_cpu_kernel_max_threads.restype = ctypes.c_int
     lib.rkv_cpu_kernel_set_worker_nice.argtypes = [ctypes.c_int]
     lib.rkv_cpu_kernel_set_worker_nice.restype = None
-    lib.rkv_cpu_kernel_worker_nice.restype = ctypes.c_int
     lib._rkv_typed = True
     lib._rkv_nice_env = None
   _set_worker_nice(lib)

@@ -168,7 +168,7 @@ int rkv_cpu_kernel_max_threads(void) {
 }
 
 /* The kernel's helper threads (the OpenMP team but its caller, thread 0) at a lower priority:
- * nice <= 0 leaves them as they are. Why: while the kernel runs, its team holds all cores but
+ * nice 0 (the default) leaves them as they are. Why: while the kernel runs, its team holds all cores but
  * one, and PJRT's work threads, which enqueue the streamed tiles' host-to-device copies, waited
  * for a core (0.5-2.5 ms per copy in the host share's traces, docs/DESIGN.md section 6). At a
  * higher nice value a team thread yields its core to them at once. The team's loop is scheduled
@@ -178,7 +178,6 @@ int rkv_cpu_kernel_max_threads(void) {
  * threads), and lowering it back needs CAP_SYS_NICE. */
 static volatile int g_worker_nice = 0;
 void rkv_cpu_kernel_set_worker_nice(int nice) { g_worker_nice = nice; }
-int rkv_cpu_kernel_worker_nice(void) { return g_worker_nice; }
 
 static void apply_worker_nice(void) {
 #if defined(_OPENMP) && defined(__linux__)
