@@ -67,12 +67,15 @@ case "$PART" in
     host
     # The share's GPU tests only (the code changed since the last full -m gpu run, session 19,
     # is the share's put order): the full suite takes 150 s of a 10-minute call.
-    timeout 200 python3 -m pytest -q -m gpu tests/ -k "host_share or fused" -p no:cacheprovider \
+    timeout 200 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" -p no:cacheprovider \
       > $D/pytest_gpu.txt 2>&1
     rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
-    grep -E "^FAILED.*(host_share|fused_decode)" $D/pytest_gpu.txt && exit 1  # no share row then
+    grep -E "^FAILED.*(host_share|fused_decode|direct_put)" $D/pytest_gpu.txt && exit 1  # no row then
+    # Session 22: the tiles' direct put (on by default; RKV_DIRECT_PUTS=0 is jax.device_put)
+    # alternating with the share forms, all on the direct put.
     for i in 1 2; do
       int8_2m 2m_int8_default$i
+      RKV_DIRECT_PUTS=0 int8_2m 2m_int8_default_dp0_$i
       share int8_2m 2m_int8_share$i
       RKV_TILES_ONE_PROGRAM=1 share int8_2m 2m_int8_share_one$i
     done

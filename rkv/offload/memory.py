@@ -66,6 +66,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from rkv import _env
+from rkv import validation
 from rkv._env import (DEFAULT_DEVICE_MEM_FRACTION, FRACTION_RKV, FRACTION_TOO_LATE, FRACTION_USER,
                       MEM_FRACTION_ENV, MEM_FRACTION_ENV_NEW)
 
@@ -91,6 +92,90 @@ def default_device() -> jax.Device:
 
 def sharding(memory_kind: str, device: jax.Device | None = None) -> SingleDeviceSharding:
   return SingleDeviceSharding(device or default_device(), memory_kind=memory_kind)
+
+
+# $RKV_DIRECT_PUTS=0: tiles move by jax.device_put instead of the direct path below.
+DIRECT_PUTS_ENV = "RKV_DIRECT_PUTS"
+
+# Why a path of our own beside jax.device_put for the streamed tiles: a decode step puts ~100
+# pinned_host arrays (every hybrid layer's tiles: k, v and two scales each) and device_put's
+# Python (pytree flattening, the primitive's bind, per-array sharding and copy checks) cost ~45 us
+# an array on an H100 host: the next layer's early put of 16 arrays took 1.47 ms of the main
+# thread there, ~0.7 ms of it before the copies were requested (docs/DESIGN.md §6). For the one
+# case the tiles are (committed single-device pinned_host arrays to device memory of the same
+# device) device_put ends in two calls, made here directly: jaxlib's batched copy (the C++ that
+# enqueues the transfers) and jax's result handler, which gives each result the aval of its
+# destination (device memory space; the batched copy alone keeps the source's host aval, and a
+# jitted program would then lower the argument as host memory). jax 0.11.2 internals
+# (jax/_src/array.py _array_shard_arg, dispatch._DeferredShardArg): when an import fails the
+# tiles take jax.device_put, and tests/direct_put_test.py fails on the pinned jax until the path
+# is checked again. Dev box, 16 small arrays: ~100 us against ~400 us for jax.device_put.
+try:
+  from jax._src import dispatch as _jdispatch
+  from jax._src.array import ArrayImpl as _ArrayImpl
+  from jax._src.interpreters import pxla as _jpxla
+  from jax._src.lib import _jax as _jxc
+  _BATCHED_COPY = _jxc.batched_copy_array_to_devices_with_sharding
+  _REUSE_INPUT = _jxc.ArrayCopySemantics.REUSE_INPUT
+  _result_handler = _jpxla.global_aval_to_result_handler
+  _dest_aval = _jdispatch.update_dp_aval
+except (ImportError, AttributeError):  # another jax: device_put
+  _BATCHED_COPY = None
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_sharding(memory_kind: str, device: jax.Device) -> SingleDeviceSharding:
+  return SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_result_handler(host_aval, device: jax.Device):
+  s = _cached_sharding(DEVICE, device)
+  return _result_handler(_dest_aval(host_aval, s), s, True)
+
+
+def direct_puts_available() -> bool:
+  """Whether :func:`put_to_device` can take the direct path with this jax (see above)."""
+  return _BATCHED_COPY is not None
+
+
+def _direct_put_ok(xs, device: jax.Device) -> bool:
+  for x in xs:
+    if type(x) is not _ArrayImpl or not x._committed:
+      return False
+    s = x.sharding
+    if (type(s) is not SingleDeviceSharding or s.memory_kind != PINNED_HOST
+        or s._device != device):
+      return False
+  return True
+
+
+def put_to_device(xs, device: jax.Device | None = None) -> list[jax.Array]:
+  """Device-memory copies of ``xs`` (a sequence of arrays; None entries stay None), requested at
+  once, returned at once (the copies are asynchronous): ``jax.device_put(xs, sharding(DEVICE,
+  device))``, by the direct path above when every array is a committed ``pinned_host`` array of
+  that device and ``$RKV_DIRECT_PUTS`` is not 0, else by ``jax.device_put`` itself."""
+  device = device or default_device()
+  idx = [i for i, x in enumerate(xs) if x is not None]
+  arrays = [xs[i] for i in idx]
+  out = list(xs)
+  if not arrays:
+    return out
+  if (_BATCHED_COPY is not None and _direct_put_ok(arrays, device)
+      and validation.env_switch(DIRECT_PUTS_ENV, True)):
+    for x in arrays:
+      x._check_if_deleted()  # jax's own error for a deleted (donated) array
+    s = _cached_sharding(DEVICE, device)
+    n = len(arrays)
+    moved = _BATCHED_COPY(arrays, [s._internal_device_list.addressable_device_list] * n,
+                          [s] * n, [_REUSE_INPUT] * n)
+    moved = [_device_result_handler(x.aval, device)(y)
+             for x, y in zip(arrays, moved)]
+  else:
+    moved = jax.device_put(arrays, _cached_sharding(DEVICE, device))
+  for i, y in zip(idx, moved):
+    out[i] = y
+  return out
 
 
 def to_device(x, device: jax.Device | None = None) -> jax.Array:

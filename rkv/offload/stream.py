@@ -90,25 +90,26 @@ def on_device(tile: Tile) -> bool:
 
 
 def put_eager(tile: Tile, device: jax.Device | None = None) -> Tile:
-  """Issues the host→device transfer of a tile's K/V (and scales): eager ``jax.device_put``, PJRT's
-  async transfer path. Returns at once with device arrays still being written. Positions already
+  """Issues the host→device transfer of a tile's K/V (and scales): an eager put
+  (:func:`rkv.offload.memory.put_to_device`, ``jax.device_put``'s C++ copy), PJRT's async
+  transfer path. Returns at once with device arrays still being written. Positions already
   live on the device (4 bytes a cell, 0.1% of a bf16 K/V cell): no transfer."""
   if on_device(tile):  # staged by a Prefetcher
     return tile
-  k, v, ks, vs = jax.device_put((tile.k, tile.v, tile.k_scale, tile.v_scale),
-                                memory.sharding(memory.DEVICE, device))
+  k, v, ks, vs = memory.put_to_device((tile.k, tile.v, tile.k_scale, tile.v_scale), device)
   return Tile(k, v, tile.pos, ks, vs)
 
 
 def put_many_eager(tiles: Sequence[Tile], device: jax.Device | None = None) -> list[Tile]:
-  """:func:`put_eager` of several tiles in one ``jax.device_put`` call (its Python path costs per
-  call, not per array); tiles already on the device are returned as they are."""
+  """:func:`put_eager` of several tiles in one call (:func:`rkv.offload.memory.put_to_device`: one
+  batched request of every array); tiles already on the device are returned as they are."""
   todo = [i for i, t in enumerate(tiles) if not on_device(t)]
   out = list(tiles)
   if todo:
-    moved = jax.device_put([(tiles[i].k, tiles[i].v, tiles[i].k_scale, tiles[i].v_scale)
-                            for i in todo], memory.sharding(memory.DEVICE, device))
-    for i, (k, v, ks, vs) in zip(todo, moved):
+    flat = [a for i in todo for a in (tiles[i].k, tiles[i].v, tiles[i].k_scale, tiles[i].v_scale)]
+    moved = memory.put_to_device(flat, device)
+    for j, i in enumerate(todo):
+      k, v, ks, vs = moved[4 * j:4 * j + 4]
       out[i] = Tile(k, v, tiles[i].pos, ks, vs)
   return out
 
