@@ -140,6 +140,26 @@ case "$PART" in
     T=100 one share trace 1m_int8_t10_share_one --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
+  h4)
+    # Session 22 (no H200 in three tries): the tiles' direct put on an H100, part h2's hybrid
+    # layers (1M int8, a 10 GiB tail). Expected: the early put of 16 arrays ~1.5 -> ~0.4 ms of
+    # the main thread (trace); untraced little, as h3's steps already sat at that host's link.
+    host
+    timeout 150 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" \
+      -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
+    grep -E "^FAILED.*(host_share|fused_decode|direct_put)" $D/pytest_gpu.txt && exit 1
+    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
+      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    for i in 1 2; do
+      int1m 1m_int8_t10_default$i
+      RKV_DIRECT_PUTS=0 int1m 1m_int8_t10_dp0_$i
+    done
+    for dp in 1 0; do
+      T=100 RKV_DIRECT_PUTS=$dp trace 1m_int8_t10_dp$dp --configs=offload:1048576:0.155 \
+        --kv_dtype=int8 --warmup=2 --steps=4 --trace_steps=2
+    done
+    ;;
   b)
     host
     T=110 share trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
