@@ -67,19 +67,21 @@ case "$PART" in
     host
     # The share's GPU tests only (the code changed since the last full -m gpu run, session 19,
     # is the share's put order): the full suite takes 150 s of a 10-minute call.
-    timeout 200 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" -p no:cacheprovider \
+    timeout 120 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" -p no:cacheprovider \
       > $D/pytest_gpu.txt 2>&1
     rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
     grep -E "^FAILED.*(host_share|fused_decode|direct_put)" $D/pytest_gpu.txt && exit 1  # no row then
-    # Session 22: the tiles' direct put (on by default; RKV_DIRECT_PUTS=0 is jax.device_put)
-    # alternating with the share forms, all on the direct put.
+    # (tests/pinned_outputs_test.py and direct_put_test.py passed on an H100 in part h5)
+    # Session 22: the tiles' direct put and the CPU share's pinned partial (both on by default;
+    # RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 is the code before them), alternating with the
+    # one-program share (on both). On H100s (parts h4, h5) each shortened the main thread's
+    # layer (put 0.31 vs ~0.7 ms, join 0.39 vs 0.54 ms), and those layers were held by the link.
     for i in 1 2; do
       int8_2m 2m_int8_default$i
-      RKV_DIRECT_PUTS=0 int8_2m 2m_int8_default_dp0_$i
-      share int8_2m 2m_int8_share$i
+      RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 int8_2m 2m_int8_before$i
       RKV_TILES_ONE_PROGRAM=1 share int8_2m 2m_int8_share_one$i
     done
-    SRC=ab_prev share int8_2m 2m_int8_share_s19
+    share int8_2m 2m_int8_share
     # The kernel's team at nice 5 (last: cut first if the call runs out; no effect on the H100
     # in session 21, part h2): PJRT's threads take a core from it at once.
     RKV_CPU_KERNEL_NICE=5 share int8_2m 2m_int8_share_nice5
@@ -159,6 +161,26 @@ case "$PART" in
       T=100 RKV_DIRECT_PUTS=$dp trace 1m_int8_t10_dp$dp --configs=offload:1048576:0.155 \
         --kv_dtype=int8 --warmup=2 --steps=4 --trace_steps=2
     done
+    ;;
+  h5)
+    # Session 22: the CPU share's partial written into fresh pinned_host arrays (on by default;
+    # RKV_CPU_OUT_PINNED=0 is the numpy partial). Part h4's trace: the join's launch blocked ~0.47
+    # ms a layer until PJRT's thread had enqueued the numpy partial's transfer. Expected: that
+    # wait gone from the trace (main_join ~0.5 -> ~0.2 ms); untraced little on this host, whose
+    # layers are held by the link (busy 4.4 of 4.9 ms).
+    host
+    timeout 150 python3 -m pytest -q tests/pinned_outputs_test.py tests/direct_put_test.py \
+      -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
+    grep -E "^FAILED" $D/pytest_gpu.txt && exit 1
+    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
+      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    for i in 1 2; do
+      int1m 1m_int8_t10_pinned$i
+      RKV_CPU_OUT_PINNED=0 int1m 1m_int8_t10_numpy$i
+    done
+    T=100 trace 1m_int8_t10_pinned --configs=offload:1048576:0.155 --kv_dtype=int8 \
+      --warmup=2 --steps=4 --trace_steps=2
     ;;
   b)
     host

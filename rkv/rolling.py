@@ -295,7 +295,7 @@ def early_cpu_share(kv, q, q_pos, t_new: int, *, tactic: str, cpu_fraction: floa
   q_pos, static = _resolve(q, kv, q_pos=q_pos, causal=causal, window=window, softcap=softcap,
                            scale=scale, tactic=tactic, impl=impl, schedule=schedule,
                            lookahead=lookahead, where="early_cpu_share")
-  cpu_kw = _cpu_kwargs(q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
+  cpu_kw = _cpu_kwargs(q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
                        cpu_threads=cpu_threads)
   if isinstance(q, jax.Array) and validation.env_switch(EARLY_Q_COPY_ENV, False):
     q.copy_to_host_async()  # the worker's np.asarray(q) then finds it in flight or done
@@ -608,10 +608,13 @@ def _annotated_cpu_tail(*args, **kwargs):
     return cpu_lib.cpu_attention_tail(*args, **kwargs)
 
 
-def _cpu_kwargs(q_pos, static, *, n_stream, n_tiles, cpu_threads) -> dict:
+def _cpu_kwargs(q, q_pos, static, *, n_stream, n_tiles, cpu_threads) -> dict:
+  # out: the partial written into fresh pinned_host arrays, which the merge's program reads
+  # without a transfer of its own to wait for (rkv.offload.cpu_attention.PinnedOutputs).
   return dict(q_pos=q_pos, causal=static["causal"], window=static["window"],
               softcap=static["softcap"], scale=static["scale"],
-              num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles))
+              num_threads=cpu_lib.tail_threads(cpu_threads), tiles=(n_stream, n_tiles),
+              out=cpu_lib.pinned_outputs(q))
 
 
 def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, staged=None,
@@ -621,8 +624,9 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   thread while this one streams tiles eagerly, else on this thread after the device partials
   (one program) are dispatched."""
   n_tiles = kv.n_full_tiles
-  cpu_kw = _cpu_kwargs(q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
-                       cpu_threads=cpu_threads)
+  # Not with a share already started (cpu_future): its kwargs hold its own output pair.
+  cpu_kw = None if cpu_future is not None else _cpu_kwargs(
+      q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles, cpu_threads=cpu_threads)
   device_part = n_stream or static["use_window"] or static["use_staging"]
   tiles = _tiles(kv, n_stream, staged)
   if schedule != "eager" or not n_stream:
@@ -641,6 +645,9 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
       with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
         device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
                            **static)
+    if cpu_kw is None:  # (early_cpu_share starts none for this branch)
+      cpu_kw = _cpu_kwargs(q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
+                           cpu_threads=cpu_threads)
     o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw)
     return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
   # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
@@ -724,11 +731,16 @@ def _staged_device_part(q, q_pos, kv, tiles, static):
 
 
 def _merge_cpu(q, device, o_cpu, lse_cpu, *, merge=True):
-  """The CPU partial (numpy float32) moved to q's device and merged with the device one
+  """The CPU partial (numpy float32, or pinned_host arrays) moved to q's device and merged with
+  the device one
   (``merge=False``: the two partials, unmerged, as :class:`_Parts`)."""
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
-    if dev is None or dev == jax.devices()[0]:
+    if isinstance(o_cpu, jax.Array):
+      # pinned_host arrays of q's device (cpu_lib.pinned_outputs): merge_all's program moves
+      # them to the device itself.
+      cpu_part = (o_cpu, lse_cpu)
+    elif dev is None or dev == jax.devices()[0]:
       # numpy into the jitted merge: the dispatch moves it to the default device on its C++ path
       # (an eager jax.device_put first cost a Python call per layer).
       cpu_part = (o_cpu, lse_cpu)

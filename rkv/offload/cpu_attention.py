@@ -54,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import threading
 import time
 import weakref
 
@@ -558,8 +559,83 @@ def raise_for_rc(rc: int, where: str) -> None:
     raise RuntimeError(f"{where}: the CPU kernel rejected its arguments (rc={rc})")
 
 
+# $RKV_CPU_OUT_PINNED=0: a decode step's CPU share returns numpy again (moved to the device by
+# the merge's dispatch) instead of writing into fresh pinned_host arrays.
+PINNED_OUT_ENV = "RKV_CPU_OUT_PINNED"
+# Pairs made per refill of a stock (a shape and device): two steps of a 32-layer model.
+PINNED_OUT_BATCH = 64
+
+
+class PinnedOutputs:
+  """Fresh ``pinned_host`` ``(o [B,T,H,D], lse [B,T,H])`` float32 pairs, initialized to ``0`` and
+  ``-inf`` (what a row that sees no key returns), for the CPU kernel to write its partial into.
+
+  Why: a numpy partial reaches the GPU as a fresh host-to-device transfer that the merge's
+  dispatch requests. PJRT enqueues such a transfer on one of its own threads, and the program that
+  reads it cannot be launched before that: traced on an H100 host (1M int8, hybrid layers;
+  benchmarks/results/beyond_hbm/session22/h100_h4/), the join's launch blocked ~0.47 ms a layer,
+  the transfer's dispatch starting ~0.2 ms after the request on an idle PJRT thread. A partial
+  already in ``pinned_host`` memory is an argument whose buffer is defined: the program reads it
+  with its own copy (:func:`rkv.offload.stream.merge_all` moves host-space parts to the device).
+
+  Each pair is handed out once and never reused, so no write can race a program still reading an
+  earlier partial (PJRT keeps a buffer alive until the programs using it are done). The pairs are
+  made :data:`PINNED_OUT_BATCH` at a time per shape and device, by one ``jax.device_put`` of numpy
+  arrays, waited for, so that the kernel's writes land after the arrays' own initialization.
+  """
+
+  def __init__(self, batch: int = PINNED_OUT_BATCH):
+    self._batch = batch
+    self._lock = threading.Lock()
+    self._stock: dict[tuple, list] = {}
+
+  def take(self, o_shape: tuple, device: jax.Device):
+    key = (tuple(o_shape), device)
+    with self._lock:
+      stock = self._stock.get(key)
+      if not stock:
+        stock = self._stock[key] = self._make(tuple(o_shape), device)
+      return stock.pop()
+
+  def _make(self, o_shape, device) -> list:
+    n = self._batch
+    arrays = memory.to_host([np.zeros(o_shape, np.float32) for _ in range(n)]
+                            + [np.full(o_shape[:3], -np.inf, np.float32) for _ in range(n)],
+                            device)
+    jax.block_until_ready(arrays)
+    return list(zip(arrays[:n], arrays[n:]))
+
+
+_PINNED_OUTPUTS = PinnedOutputs()
+
+
+def pinned_outputs(q):
+  """A fresh pinned ``(o, lse)`` pair for a decode step's CPU share of query ``q`` (a single-device
+  ``jax.Array``: the pair lives in that device's ``pinned_host`` memory), or None: ``q`` is not
+  such an array, or ``$RKV_CPU_OUT_PINNED`` is 0 (the kernel then returns numpy)."""
+  if not isinstance(q, jax.Array) or not validation.env_switch(PINNED_OUT_ENV, True):
+    return None
+  devices = q.sharding.device_set
+  if len(devices) != 1 or q.ndim != 4:
+    return None
+  return _PINNED_OUTPUTS.take(q.shape, next(iter(devices)))
+
+
+def _out_pointers(out, shape, where: str):
+  o, lse = out
+  b, t, h, d = shape
+  for x, want, name in ((o, (b, t, h, d), "o"), (lse, (b, t, h), "lse")):
+    if (not isinstance(x, jax.Array) or tuple(x.shape) != want or x.dtype != np.float32
+        or memory.memory_kind(x) not in _HOST_KINDS or x.is_deleted()):
+      raise ValueError(f"{where}: out's {name} must be a live float32 host-memory jax.Array of "
+                       f"shape {want} (rkv.offload.cpu_attention.pinned_outputs), got "
+                       f"{getattr(x, 'shape', None)} {getattr(x, 'dtype', type(x).__name__)} in "
+                       f"{memory.memory_kind(x)!r}")
+  return o.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()
+
+
 def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softcap, scale,
-               num_threads, chunk, tiles, where):
+               num_threads, chunk, tiles, where, out=None):
   # --- q ---
   with jax.profiler.TraceAnnotation("rkv.cpu.q_to_host"):
     q = np.asarray(q)  # a device q comes down to the host here: [B,T,H,D], small
@@ -576,8 +652,13 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
     raise ValueError(f"{where}: q_pos must be an integer array, got {q_pos.dtype}")
   if q_pos.shape != (b, t):
     raise ValueError(f"{where}: q_pos must have shape {(b, t)}, got {q_pos.shape}")
-  o = np.zeros((b, t, h, d), np.float32)
-  lse = np.full((b, t, h), -np.inf, np.float32)
+  if out is not None:
+    o_ptr, lse_ptr = _out_pointers(out, (b, t, h, d), where)
+    o, lse = out  # fresh: already 0 and -inf
+  else:
+    o = np.zeros((b, t, h, d), np.float32)
+    lse = np.full((b, t, h), -np.inf, np.float32)
+    o_ptr, lse_ptr = o.ctypes.data, lse.ctypes.data
   if prep.empty:
     return o, lse
   qf = np.ascontiguousarray(q, dtype=np.float32)
@@ -586,8 +667,8 @@ def _attention(q, k, v, *, q_pos, k_pos, k_scale, v_scale, causal, window, softc
   args.q, args.q_pos = qf.ctypes.data, qp.ctypes.data
   keep = (prep, qf, qp)  # alive until the call returns
   with jax.profiler.TraceAnnotation("rkv.cpu.kernel"):
-    rc = _lib().rkv_cpu_attention(ctypes.byref(args), prep.num_threads, prep.chunk,
-                                  o.ctypes.data, lse.ctypes.data)
+    rc = _lib().rkv_cpu_attention(ctypes.byref(args), prep.num_threads, prep.chunk, o_ptr,
+                                  lse_ptr)
   del keep
   raise_for_rc(rc, where)
   return o, lse
@@ -615,8 +696,9 @@ def cpu_attention(q, k, v, *, q_pos=None, k_pos=None, k_scale=None, v_scale=None
 
 
 def cpu_attention_tail(q, kv, *, q_pos=None, causal=True, window=None, softcap=None, scale=None,
-                       num_threads=None, tail_pos=None, tiles=None, chunk=None):
-  """The partial ``(o, lse)`` (numpy float32) of attention over ``kv``'s host tail only.
+                       num_threads=None, tail_pos=None, tiles=None, chunk=None, out=None):
+  """The partial ``(o, lse)`` (numpy float32) of attention over ``kv``'s host tail only; with
+  ``out`` (a fresh pair from :func:`pinned_outputs`) written into those arrays and returned.
 
   Reads the tail's per-tile ``pinned_host`` arrays in place (see the module docstring); merge the
   result with the window and staging partials with :func:`rkv.merge`. ``tiles`` defaults to the
@@ -640,7 +722,8 @@ def cpu_attention_tail(q, kv, *, q_pos=None, causal=True, window=None, softcap=N
   return _attention(q, tail.k, tail.v, q_pos=q_pos,
                     k_pos=tail.pos if tail_pos is None else tail_pos, k_scale=tail.k_scale,
                     v_scale=tail.v_scale, causal=causal, window=window, softcap=softcap,
-                    scale=scale, num_threads=num_threads, chunk=chunk, tiles=tiles, where=where)
+                    scale=scale, num_threads=num_threads, chunk=chunk, tiles=tiles, where=where,
+                    out=out)
 
 
 # ----------------------------------------------------------------------------------------------

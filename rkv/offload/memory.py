@@ -106,11 +106,13 @@ DIRECT_PUTS_ENV = "RKV_DIRECT_PUTS"
 # device) device_put ends in two calls, made here directly: jaxlib's batched copy (the C++ that
 # enqueues the transfers) and jax's result handler, which gives each result the aval of its
 # destination (device memory space; the batched copy alone keeps the source's host aval, and a
-# jitted program would then lower the argument as host memory). jax 0.11.2 internals
+# jitted program would then lower the argument as host memory), inside jax's scope that marks a
+# transfer explicit for jax.transfer_guard. jax 0.11.2 internals
 # (jax/_src/array.py _array_shard_arg, dispatch._DeferredShardArg): when an import fails the
 # tiles take jax.device_put, and tests/direct_put_test.py fails on the pinned jax until the path
 # is checked again. Dev box, 16 small arrays: ~100 us against ~400 us for jax.device_put.
 try:
+  from jax._src import config as _jconfig
   from jax._src import dispatch as _jdispatch
   from jax._src.array import ArrayImpl as _ArrayImpl
   from jax._src.interpreters import pxla as _jpxla
@@ -119,6 +121,7 @@ try:
   _REUSE_INPUT = _jxc.ArrayCopySemantics.REUSE_INPUT
   _result_handler = _jpxla.global_aval_to_result_handler
   _dest_aval = _jdispatch.update_dp_aval
+  _explicit_put = _jconfig.explicit_device_put_scope  # what jax.transfer_guard counts as explicit
 except (ImportError, AttributeError):  # another jax: device_put
   _BATCHED_COPY = None
 
@@ -167,8 +170,9 @@ def put_to_device(xs, device: jax.Device | None = None) -> list[jax.Array]:
       x._check_if_deleted()  # jax's own error for a deleted (donated) array
     s = _cached_sharding(DEVICE, device)
     n = len(arrays)
-    moved = _BATCHED_COPY(arrays, [s._internal_device_list.addressable_device_list] * n,
-                          [s] * n, [_REUSE_INPUT] * n)
+    with _explicit_put():
+      moved = _BATCHED_COPY(arrays, [s._internal_device_list.addressable_device_list] * n,
+                            [s] * n, [_REUSE_INPUT] * n)
     moved = [_device_result_handler(x.aval, device)(y)
              for x, y in zip(arrays, moved)]
   else:

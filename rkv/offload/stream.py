@@ -121,8 +121,20 @@ def put_in_jit(tile: Tile) -> Tile:
               to_dev(tile.v_scale))
 
 
+def _on_device(x):
+  """``x`` moved to device memory inside a program when it lives in host memory (a CPU share's
+  pinned_host partial, rkv.offload.cpu_attention.PinnedOutputs): computing on it where it is
+  would be host compute (docs/DESIGN.md §5)."""
+  if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+      return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 def merge_all(partials: Sequence[Partial], out_dtype) -> Partial:
-  """Exact float32 LSE merge of partials; ``o`` cast to ``out_dtype``. Traceable (jit it)."""
+  """Exact float32 LSE merge of partials; ``o`` cast to ``out_dtype``. Traceable (jit it).
+  Partials in host memory are moved to the device first."""
+  partials = [(_on_device(o), _on_device(lse)) for o, lse in partials]
   if len(partials) == 1:
     return partials[0][0].astype(out_dtype), partials[0][1]
   o = jnp.stack([p[0].astype(jnp.float32) for p in partials])
