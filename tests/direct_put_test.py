@@ -66,6 +66,18 @@ def test_direct_put_gives_what_device_put_gives(batched_calls):
     assert g.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()  # a copy, not the host buffer
 
 
+def test_transfer_guard_counts_the_direct_put_as_explicit(batched_calls):
+  # As jax.device_put's own transfers: allowed under "disallow" (implicit ones only), refused
+  # under "disallow_explicit".
+  xs = _tile_arrays(5)
+  with jax.transfer_guard("disallow"):
+    memory.put_to_device(xs)
+  assert batched_calls == [len(xs)]
+  with jax.transfer_guard("disallow_explicit"):
+    with pytest.raises(Exception, match="(?i)disallowed"):
+      memory.put_to_device(xs)
+
+
 def test_direct_results_reuse_device_puts_program(batched_calls):
   # A jitted function compiled for device_put's results must be the one that runs on the
   # direct path's (same aval, sharding and committedness: no second compile, and on a GPU no

@@ -125,3 +125,14 @@ def test_layered_decode_is_the_same_with_the_switch_off(monkeypatch, takes, tact
   off = _decode_with(tactic)
   assert len(takes) == n
   _assert_same_run(on, off)
+
+
+def test_large_pairs_are_made_fewer_at_a_time(monkeypatch):
+  monkeypatch.setattr(cpu_lib, "PINNED_OUT_BATCH_BYTES", 3 * 4 * 4 * 9)  # three [1,1,4,8] pairs
+  stock = cpu_lib.PinnedOutputs(batch=64)
+  dev = jax.devices()[0]
+  stock.take((1, 1, 4, 8), dev)
+  assert len(stock._stock[((1, 1, 4, 8), dev)]) == 2
+  monkeypatch.setattr(cpu_lib, "PINNED_OUT_BATCH_BYTES", 1)  # never fewer than two
+  stock.take((2, 1, 4, 8), dev)
+  assert len(stock._stock[((2, 1, 4, 8), dev)]) == 1

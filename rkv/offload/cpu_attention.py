@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -562,8 +563,11 @@ def raise_for_rc(rc: int, where: str) -> None:
 # $RKV_CPU_OUT_PINNED=0: a decode step's CPU share returns numpy again (moved to the device by
 # the merge's dispatch) instead of writing into fresh pinned_host arrays.
 PINNED_OUT_ENV = "RKV_CPU_OUT_PINNED"
-# Pairs made per refill of a stock (a shape and device): two steps of a 32-layer model.
+# Pairs made per refill of a stock (a shape and device): two steps of a 32-layer model, fewer
+# where the pairs are large (at most PINNED_OUT_BATCH_BYTES a refill: pinned host memory is the
+# tail's too).
 PINNED_OUT_BATCH = 64
+PINNED_OUT_BATCH_BYTES = 8 << 20
 
 
 class PinnedOutputs:
@@ -580,7 +584,7 @@ class PinnedOutputs:
 
   Each pair is handed out once and never reused, so no write can race a program still reading an
   earlier partial (PJRT keeps a buffer alive until the programs using it are done). The pairs are
-  made :data:`PINNED_OUT_BATCH` at a time per shape and device, by one ``jax.device_put`` of numpy
+  made :data:`PINNED_OUT_BATCH` at a time per shape and device (fewer when large), by one ``jax.device_put`` of numpy
   arrays, waited for, so that the kernel's writes land after the arrays' own initialization.
   """
 
@@ -598,7 +602,8 @@ class PinnedOutputs:
       return stock.pop()
 
   def _make(self, o_shape, device) -> list:
-    n = self._batch
+    pair_bytes = 4 * math.prod(o_shape[:3]) * (o_shape[3] + 1)
+    n = max(2, min(self._batch, PINNED_OUT_BATCH_BYTES // pair_bytes))
     arrays = memory.to_host([np.zeros(o_shape, np.float32) for _ in range(n)]
                             + [np.full(o_shape[:3], -np.inf, np.float32) for _ in range(n)],
                             device)
