@@ -15,7 +15,7 @@ import rkv
 from rkv import rolling
 from rkv.offload import memory, stream
 
-from tests.rolling_tactics_test import _assert_same_attention, _hybrid_decode_case
+from tests.support.rolling_cases import assert_same_attention, hybrid_decode_case
 
 
 def _host(x):
@@ -134,7 +134,7 @@ def test_deleted_array_is_refused_like_device_put(batched_calls):
 def test_attention_is_the_same_with_the_switch_off(monkeypatch, batched_calls, kv_dtype):
   # A hybrid decode step streams its tiles by the direct path (the early puts and the lookahead's)
   # and gives what the same step gives with every tile moved by jax.device_put.
-  k, v, fresh, q, new, args = _hybrid_decode_case(5, 44, capacity=64)
+  k, v, fresh, q, new, args = hybrid_decode_case(5, 44, capacity=64)
   make = fresh if kv_dtype == "float32" else (
       lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8, capacity=64,
                                         dtype=jnp.int8).with_tactic("hybrid", 0.4))
@@ -146,7 +146,7 @@ def test_attention_is_the_same_with_the_switch_off(monkeypatch, batched_calls, k
   assert len(batched_calls) == n
   np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
   if kv_dtype == "float32":
-    _assert_same_attention(on, off, q, k, v, new, args[3])
+    assert_same_attention(on, off, q, k, v, new, args[3])
 
 
 def test_stream_put_many_keeps_staged_tiles(batched_calls):

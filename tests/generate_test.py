@@ -12,6 +12,7 @@ import pytest
 import rkv
 from rkv import gates, models
 from rkv import generate as gen
+from tests.support.decode_runs import assert_same_run, decode_with
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 P = 13  # prompt length
@@ -321,40 +322,16 @@ def test_warm_up_compiles_the_logits_and_decode_programs_a_plan_reuses():
       gen.warm_up(model, **bad)
 
 
-def _decode_with(tactic, **forward_kw):
-  """The llama fixture on a forced ``tactic`` plan (W=4, 4-cell tiles, B=2): a 13-token prefill,
-  then one-token steps to 19 (the staging tile flushes at fill 16) through
-  ``layered_forward(**forward_kw)``. Returns (every call's logits, the last caches, the fn)."""
-  model = models.load_hf(os.path.join(FIXTURES, "llama"), jnp.float32, impl="xla")
-  tokens = np.load(os.path.join(FIXTURES, "llama", "reference.npz"))["tokens"]
-  cfg = model.config
-  base = rkv.plan(cfg, 32, 2, residency=rkv.ResidencyConfig(vram_target_mib=1 << 20))
-  plan = gen.force_tactic(base, tactic, 4, 4, cpu_fraction=0.5)
-  pos = lambda lo, hi: np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
-  fwd = models.layered_forward(model, last_only=True, **forward_kw)
-  out = [fwd(tokens[:, :13], pos(0, 13), gen.caches_from_plan(cfg, plan, 2, 32, jnp.float32))]
-  for i in range(13, 19):
-    out.append(fwd(tokens[:, i:i + 1], pos(i, i + 1), out[-1][1]))
-  return [np.asarray(l) for l, _ in out], out[-1][1], fwd
-
-
-def _assert_same_run(a, b):
-  for x, y in zip(a[0], b[0]):
-    np.testing.assert_array_equal(x, y)
-  for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1])):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.parametrize("tactic", ["stream", "hybrid"])
 def test_layered_forward_prefetch_equals_no_prefetch(tactic):
   """The cross-layer Prefetcher (tiles of the next layers and of the next step requested ahead)
   changes when tiles move, not what is attended: logits and caches equal layered_forward without
   it, bit for bit, through a prefill, decode steps and a flush, with 2 tiles in flight at most
   (the flow control waits) and with 16; ahead-requested tiles are actually used."""
-  runs = {depth: _decode_with(tactic, prefetch_tiles=depth) for depth in (0, 2, 16)}
+  runs = {depth: decode_with(tactic, prefetch_tiles=depth) for depth in (0, 2, 16)}
   assert runs[0][2].prefetcher is None
   for depth in (2, 16):
-    _assert_same_run(runs[0], runs[depth])
+    assert_same_run(runs[0], runs[depth])
     pf = runs[depth][2].prefetcher
     assert pf.requested > 0 and pf._in_flight() <= depth
   # With room for every tile, every decode step's tiles were requested ahead, by the step
@@ -371,9 +348,9 @@ def test_layered_forward_join_equals_separate_programs(monkeypatch, tactic):
   (the join, the default) or as programs of their own ($RKV_JOIN_LAYERS=0): the same cells, the
   same float32 merge; logits agree to float32 rounding and the caches are equal, through a
   prefill, decode steps and a flush. The joins are built only when they are on."""
-  joined = _decode_with(tactic)
+  joined = decode_with(tactic)
   monkeypatch.setenv("RKV_JOIN_LAYERS", "0")
-  separate = _decode_with(tactic)
+  separate = decode_with(tactic)
   for x, y in zip(joined[0], separate[0]):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
   for x, y in zip(jax.tree.leaves(joined[1]), jax.tree.leaves(separate[1])):
@@ -400,12 +377,12 @@ def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
     return real_attend(self, q, *a, **kw)
 
   monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
-  default = _decode_with(tactic)
+  default = decode_with(tactic)
   assert not any(staged or hook for _, staged, hook in seen)
   seen.clear()
   monkeypatch.setenv("RKV_NEXT_PUTS", "1")
-  ahead = _decode_with(tactic)
-  _assert_same_run(default, ahead)
+  ahead = decode_with(tactic)
+  assert_same_run(default, ahead)
   n_layers = len(default[1])
   decode = [seen[i:i + n_layers] for i in range(0, len(seen), n_layers)
             if seen[i][0] == 1]
@@ -421,7 +398,7 @@ def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
   monkeypatch.setattr(rolling, "_tiles_merged_jit",
                       lambda *a, **kw: merged.append(1) or real_merged(*a, **kw))
   monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "1")
-  one = _decode_with(tactic)
+  one = decode_with(tactic)
   assert bool(merged) == (tactic == "hybrid")
   for x, y in zip(default[0], one[0]):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
@@ -429,7 +406,7 @@ def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   monkeypatch.setenv("RKV_NEXT_PUTS", "soon")
   with pytest.raises(ValueError, match="RKV_NEXT_PUTS"):
-    _decode_with(tactic)
+    decode_with(tactic)
 
 
 @pytest.mark.parametrize("tactic", ["hybrid", "cpu", "stream"])
@@ -448,12 +425,12 @@ def test_layered_forward_host_share_equals_the_python_worker(monkeypatch, tactic
     return real_attend(self, q, *a, **kw)
 
   monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
-  default = _decode_with(tactic)
+  default = decode_with(tactic)
   assert not any(c for _, c in seen)
   seen.clear()
   monkeypatch.setenv("RKV_HOST_SHARE", "1")
-  shared = _decode_with(tactic)
-  _assert_same_run(default, shared)
+  shared = decode_with(tactic)
+  assert_same_run(default, shared)
   n_layers = len(default[1])
   steps = [seen[i:i + n_layers] for i in range(0, len(seen), n_layers)]
   decode = [step for step in steps if step[0][0] == 1]
@@ -467,7 +444,7 @@ def test_layered_forward_host_share_equals_the_python_worker(monkeypatch, tactic
     assert len(shared[2].host_shares) == n_layers
   monkeypatch.setenv("RKV_HOST_SHARE", "perhaps")
   with pytest.raises(ValueError, match="RKV_HOST_SHARE"):
-    _decode_with(tactic)
+    decode_with(tactic)
 
 
 def test_host_share_layers_put_their_tiles_before_the_share_starts(monkeypatch):
@@ -504,7 +481,7 @@ def test_host_share_layers_put_their_tiles_before_the_share_starts(monkeypatch):
   monkeypatch.setattr(rolling, "early_puts", early_puts)
   monkeypatch.setattr(transformer._HostShares, "for_layer", for_layer)
   monkeypatch.setenv("RKV_HOST_SHARE", "1")
-  _decode_with("hybrid")
+  decode_with("hybrid")
   starts = [i for i, (what, _) in enumerate(events) if what == "start"]
   assert starts
   for i in starts:
@@ -534,14 +511,14 @@ def test_layered_forward_switch_interval_during_host_kernel_steps(monkeypatch):
   monkeypatch.setattr(cache_lib.RollingKV, "attend", lambda self, *a, **kw: (
       seen.append(sys.getswitchinterval()), real_attend(self, *a, **kw))[1])
   before = sys.getswitchinterval()
-  default = _decode_with("hybrid")
+  default = decode_with("hybrid")
   assert set(seen) == {before}
   seen.clear()
   monkeypatch.setenv("RKV_SWITCH_INTERVAL_US", "300")
-  short = _decode_with("hybrid")
+  short = decode_with("hybrid")
   assert seen and all(x == pytest.approx(300e-6) for x in seen)
   assert sys.getswitchinterval() == before
-  _assert_same_run(default, short)
+  assert_same_run(default, short)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from rkv import rolling
 from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import memory, stream
 
-from tests.rolling_tactics_test import _assert_same_attention, _hybrid_decode_case
+from tests.support.decode_runs import assert_same_run, decode_with
+from tests.support.rolling_cases import assert_same_attention, hybrid_decode_case
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_pinned_outputs_only_for_a_jax_query(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
 def test_tail_written_into_out_equals_the_numpy_result(dtype):
-  k, v, fresh, q, new, args = _hybrid_decode_case(8, 40, capacity=64)
+  k, v, fresh, q, new, args = hybrid_decode_case(8, 40, capacity=64)
   kv = rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8, capacity=64, dtype=dtype)
   want_o, want_lse = cpu_lib.cpu_attention_tail(q, kv, tiles=(1, kv.n_full_tiles))
   assert isinstance(want_o, np.ndarray)
@@ -74,7 +75,7 @@ def test_tail_written_into_out_equals_the_numpy_result(dtype):
 
 
 def test_bad_out_is_refused():
-  k, v, fresh, q, new, args = _hybrid_decode_case(9, 40, capacity=64)
+  k, v, fresh, q, new, args = hybrid_decode_case(9, 40, capacity=64)
   kv = fresh()
   o, lse = cpu_lib.pinned_outputs(q)
   bad = [(np.zeros(o.shape, np.float32), lse),  # numpy: no pinned buffer
@@ -103,28 +104,27 @@ def test_merge_moves_host_parts_and_computes_on_device_only():
 
 @pytest.mark.parametrize("fill", [40, 47])  # a plain step, and one whose append flushes a tile
 def test_decode_step_is_the_same_with_the_switch_off(monkeypatch, takes, fill):
-  k, v, fresh, q, new, args = _hybrid_decode_case(11, fill, capacity=64)
+  k, v, fresh, q, new, args = hybrid_decode_case(11, fill, capacity=64)
   on, _ = fresh().attend(*args, impl="xla")
   assert len(takes) == 1, "the hybrid step's CPU share took no pinned pair"
   monkeypatch.setenv(cpu_lib.PINNED_OUT_ENV, "0")
   off, _ = fresh().attend(*args, impl="xla")
   assert len(takes) == 1
   np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
-  _assert_same_attention(on, off, q, k, v, new, args[3])
+  assert_same_attention(on, off, q, k, v, new, args[3])
 
 
 @pytest.mark.parametrize("tactic", ["hybrid", "cpu"])
 def test_layered_decode_is_the_same_with_the_switch_off(monkeypatch, takes, tactic):
   # The model's path: the CPU share started early, its parts merged inside the next layer's
   # join program (RKV_JOIN_LAYERS): a prefill, decode steps and a flush.
-  from tests.generate_test import _assert_same_run, _decode_with
-  on = _decode_with(tactic)
+  on = decode_with(tactic)
   assert takes, "no CPU share took a pinned pair"
   monkeypatch.setenv(cpu_lib.PINNED_OUT_ENV, "0")
   n = len(takes)
-  off = _decode_with(tactic)
+  off = decode_with(tactic)
   assert len(takes) == n
-  _assert_same_run(on, off)
+  assert_same_run(on, off)
 
 
 def test_large_pairs_are_made_fewer_at_a_time(monkeypatch):

@@ -21,7 +21,8 @@ import rkv
 from rkv import rolling
 from rkv.head_split import HeadSplitKV
 from rkv.offload import cpu_attention as cpu_lib
-from tests.support.rolling_cases import Case, assert_kinds, make
+from tests.support.rolling_cases import (Case, assert_kinds, assert_same_attention,
+                                         hybrid_decode_case, make)
 from tests.support.tolerances import TOLERANCES
 
 K2 = dict(h=8, k=2)  # GQA 4
@@ -364,29 +365,6 @@ def test_while_waiting_error_propagates_after_the_cpu_share(monkeypatch):
   assert done == [1]  # the worker's CPU share had finished when the error came out
 
 
-def _hybrid_decode_case(seed, fill, *, capacity):
-  """A hybrid cache of ``fill`` cells (8-cell window and tiles, 40% of the tiles on the CPU),
-  as a factory of fresh copies, and one decode step's ``attend`` arguments."""
-  rng = np.random.default_rng(seed)
-  k = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
-  fresh = lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8,
-                                            capacity=capacity).with_tactic("hybrid", 0.4)
-  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
-  new = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
-  return k, v, fresh, q, new, (q, new, new, jnp.full((1, 1), fill, jnp.int32))
-
-
-def _assert_same_attention(on, off, q, k, v, new, q_pos):
-  """``on`` (a switch's path) equals ``off`` (the default path) and the reference over the
-  cache's K/V with ``new`` appended."""
-  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)
-  ref, _ = rkv.attention(q, jnp.concatenate([k, new], 1), jnp.concatenate([v, new], 1),
-                         q_pos=q_pos, impl="reference")
-  rtol, atol = TOLERANCES["float32"]["o"]
-  np.testing.assert_allclose(np.asarray(on), np.asarray(ref), rtol=rtol, atol=atol)
-
-
 # One staged cell after the append, several, and an append that flushes a fifth tile: the early
 # puts then cover 2 of the 3 tiles streamed after it, so the per-tile path runs.
 @pytest.mark.parametrize("fill", [40, 44, 47])
@@ -394,7 +372,7 @@ def test_tiles_one_program_attends_the_same(monkeypatch, fill):
   # $RKV_TILES_ONE_PROGRAM=1: a hybrid decode step whose streamed tiles all came early attends
   # them and merges the device partials in one program (the window and staging in another);
   # the partials and their order are the same, so the result equals the default path.
-  k, v, fresh, q, new, args = _hybrid_decode_case(16, fill, capacity=64)
+  k, v, fresh, q, new, args = hybrid_decode_case(16, fill, capacity=64)
   calls = []
   real = rolling._tiles_merged_jit
   monkeypatch.setattr(rolling, "_tiles_merged_jit",
@@ -406,7 +384,7 @@ def test_tiles_one_program_attends_the_same(monkeypatch, fill):
   on, _ = kv.attend(*args, impl="xla")
   n_stream = rolling.streamed_count(kv.n_full_tiles, "hybrid", 0.4)
   assert calls == ([] if fill == 47 else [n_stream]) and n_stream == 2
-  _assert_same_attention(on, off, q, k, v, new, args[3])
+  assert_same_attention(on, off, q, k, v, new, args[3])
   monkeypatch.setenv("RKV_TILES_ONE_PROGRAM", "often")
   with pytest.raises(ValueError, match="RKV_TILES_ONE_PROGRAM"):
     fresh().attend(*args, impl="xla")
@@ -690,7 +668,7 @@ def test_early_put_all_puts_every_streamed_tile_so_one_program_applies(monkeypat
   # runs; with $RKV_EARLY_PUT_ALL=1 they cover all 6 and $RKV_TILES_ONE_PROGRAM's program runs,
   # equal to the default path.
   from rkv.offload import stream
-  k, v, fresh, q, new, args = _hybrid_decode_case(21, 90, capacity=128)
+  k, v, fresh, q, new, args = hybrid_decode_case(21, 90, capacity=128)
   n_stream = rolling.streamed_count(fresh().n_full_tiles, "hybrid", 0.4)
   assert n_stream > rolling.DEFAULT_LOOKAHEAD
   puts, calls = [], []
@@ -706,7 +684,7 @@ def test_early_put_all_puts_every_streamed_tile_so_one_program_applies(monkeypat
   monkeypatch.setenv("RKV_EARLY_PUT_ALL", "1")
   on, _ = fresh().attend(*args, impl="xla")
   assert puts == [n_stream] and calls == [n_stream]
-  _assert_same_attention(on, off, q, k, v, new, args[3])
+  assert_same_attention(on, off, q, k, v, new, args[3])
   monkeypatch.setenv("RKV_EARLY_PUT_ALL", "every")
   with pytest.raises(ValueError, match="RKV_EARLY_PUT_ALL"):
     fresh().attend(*args, impl="xla")

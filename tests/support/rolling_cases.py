@@ -11,6 +11,7 @@ import numpy as np
 import rkv
 from rkv.offload import memory
 from tests import numpy_reference
+from tests.support.tolerances import TOLERANCES
 
 
 def assert_kinds(kv):
@@ -94,3 +95,26 @@ def check(case, o, lse, o_ref, lse_ref, tol):
   np.testing.assert_allclose(o, o_ref, atol=tol[0], rtol=tol[1])
   finite = ~np.isneginf(lse_ref)
   np.testing.assert_allclose(lse[finite], lse_ref[finite], atol=tol[0], rtol=tol[1])
+
+
+def hybrid_decode_case(seed, fill, *, capacity):
+  """A hybrid cache of ``fill`` cells (8-cell window and tiles, 40% of the tiles on the CPU),
+  as a factory of fresh copies, and one decode step's ``attend`` arguments."""
+  rng = np.random.default_rng(seed)
+  k = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, fill, 2, 16)), jnp.float32)
+  fresh = lambda: rkv.RollingKV.from_arrays(k, v, window_cells=8, tile_cells=8,
+                                            capacity=capacity).with_tactic("hybrid", 0.4)
+  q = jnp.asarray(rng.standard_normal((1, 1, 8, 16)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((1, 1, 2, 16)), jnp.float32)
+  return k, v, fresh, q, new, (q, new, new, jnp.full((1, 1), fill, jnp.int32))
+
+
+def assert_same_attention(on, off, q, k, v, new, q_pos):
+  """``on`` (a switch's path) equals ``off`` (the default path) and the reference over the
+  cache's K/V with ``new`` appended."""
+  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)
+  ref, _ = rkv.attention(q, jnp.concatenate([k, new], 1), jnp.concatenate([v, new], 1),
+                         q_pos=q_pos, impl="reference")
+  rtol, atol = TOLERANCES["float32"]["o"]
+  np.testing.assert_allclose(np.asarray(on), np.asarray(ref), rtol=rtol, atol=atol)
