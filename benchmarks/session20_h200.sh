@@ -182,6 +182,21 @@ case "$PART" in
     T=100 trace 1m_int8_t10_pinned --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
+  h6)
+    # Session 22: the two hand-offs (direct put, pinned partial) on bf16 hybrid plans, that they
+    # cost nothing there: 128K half-offloaded (an 8 GiB tail) and B=4 x 128K with 15.5% on the
+    # host; "before" is both switched off.
+    host
+    before() { RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 "$@"; }
+    for i in 1 2; do
+      T=70 run half128_default$i --configs=rkv_offload --contexts=131072
+      T=70 before run half128_before$i --configs=rkv_offload --contexts=131072
+    done
+    T=80 run b4_default --configs=rkv_offload --contexts=131072 --batch=4 --budget=fraction \
+      --offload_fraction=0.155
+    T=80 before run b4_before --configs=rkv_offload --contexts=131072 --batch=4 \
+      --budget=fraction --offload_fraction=0.155
+    ;;
   b)
     host
     T=110 share trace 2m_int8_share --configs=beyond:2097152 --kv_dtype=int8 \
