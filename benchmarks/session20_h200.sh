@@ -86,6 +86,16 @@ case "$PART" in
     # in session 21, part h2): PJRT's threads take a core from it at once.
     RKV_CPU_KERNEL_NICE=5 share int8_2m 2m_int8_share_nice5
     ;;
+  a2)
+    # Part a cut to what ~430 s of device time holds (session 22's last): the two hand-offs
+    # (both on, the default) against both off at 2M int8, alternating; no tests (parts h4/h5
+    # ran tests/direct_put_test.py, tests/pinned_outputs_test.py and the share's on an H100).
+    host
+    for i in 1 2; do
+      int8_2m 2m_int8_default$i
+      RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 int8_2m 2m_int8_before$i
+    done
+    ;;
   h)
     # Part a's A/B where no H200 could be had (session 21: three tries refused): on one H100
     # (80 GB), 1M int8 leaves a tail like 2M int8's on the H200 (~8 GiB against ~10-14), so the
