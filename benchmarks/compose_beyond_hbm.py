@@ -32,14 +32,14 @@ PICK = [
     ("session15/c/half512.json", "shipped defaults at 49bf2c4; each step waited for: 3.39. "
      "Session 8 (command buffers off): 3.07",
      [("rkv_offload", 524288, 1, "bfloat16")]),
-    ("session17/d/2m_int8_new1.json", "shipped defaults at ae578a5 (session 17: bfloat16 "
-     "scales, 9.92 GiB on the host instead of 11.94; an int8 decode append one program; the "
-     "window's and the staging's partials one dispatch), planned with the profile's fallback "
-     "int8 share 0.52; the bound uses the int8 rate. Each step waited for: 6.13. On the same "
-     "machine, alternating: 6.54 / 6.47 against 6.31 / 6.25 at 8e46316 (bfloat16 scales, two "
-     "dispatches each; session17/d/). On another machine at c3cda70: bfloat16 scales 6.21 / "
-     "6.18 against float32 scales ($RKV_INT8_SCALE_DTYPE=float32) 5.78 / 5.78, alternating "
-     "(session17/a/, b/). Session 15 (float32 scales): 5.76",
+    ("session22/h200_a2/2m_int8_default3b.json", "shipped defaults at 763e53c (session 22: "
+     "the tiles' direct put and the CPU share's partial in pinned_host arrays, on top of session "
+     "17's bfloat16 scales), planned with the profile's fallback int8 share 0.52; the bound "
+     "uses the int8 rate. The lower median of four default runs on one machine (6.85, 5.94, "
+     "6.95, 6.63; session22/h200_a2/README.md), alternating with the same code with both "
+     "hand-offs off (RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0): 5.90, 6.23, 5.74. Each step "
+     "waited for: 6.78. Session 17 (ae578a5, another machine): 6.54 / 6.47 (session17/d/); "
+     "session 15 (float32 scales): 5.76",
      [("rkv_offload", 2097152, 1, "int8")]),
     ("session15/c/b8.json", "shipped defaults at 49bf2c4 (the one-tile tail laid out as two "
      "tiles, hybrid); each step waited for: 57.64. Session 14: 59.80 / 60.95 (session14/c/); "
