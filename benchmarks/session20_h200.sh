@@ -16,6 +16,12 @@
 # H100 host's PCIe time (~55 GB/s). The fused step with the share ran 14-23% slower in both H100
 # parts that ran it, so part a now measures the one-program share in its place. At 2M int8 on the H200
 # a layer streams 3 tiles (the lookahead is 4), so RKV_TILES_ONE_PROGRAM=1 alone applies there.
+# Session 22 (no H200 in ten tries, then one at its end): parts h4-h6 on H100s took two host
+# hand-offs off the default path (RKV_DIRECT_PUTS, RKV_CPU_OUT_PINNED; both on by default), and
+# part a2 (part a cut to ~430 s of device time, then three runs typed by hand on the same
+# machine: benchmarks/results/beyond_hbm/session22/h200_a2/README.md) measured them at 2M int8:
+# 6.85 / 5.94 / 6.95 / 6.63 tok/s against 5.90 / 6.23 / 5.74 with both off. Parts a-d are still
+# unrun on an H200 with this code.
 # What to look for in part b's traces if the link still idles: a tile's copy whose device
 # memory is the previous layer's tile (the allocator reuses the block just freed; the reserve is
 # lean) waits on the GPU for that tile's partial, which the compute stream runs after the
@@ -62,15 +68,21 @@ host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $
 share() { RKV_HOST_SHARE=1 "$@"; }
 fused_share() { RKV_FUSED_DECODE=1 RKV_HOST_SHARE=1 "$@"; }
 share_one() { RKV_TILES_ONE_PROGRAM=1 RKV_HOST_SHARE=1 "$@"; }
+# 1M int8 with a 10 GiB tail on an H100: 32 hybrid layers, like 2M int8's on the H200 (parts h2-h5).
+int1m_t10() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
+  --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+# pytest on the device, $D/pytest_gpu.txt; the part stops at a failure (no rows after one).
+gpu_tests() {
+  timeout ${T:-150} python3 -m pytest -q -p no:cacheprovider "$@" > $D/pytest_gpu.txt 2>&1
+  local rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
+  grep -E "^FAILED" $D/pytest_gpu.txt && exit 1
+}
 case "$PART" in
   a)
     host
     # The share's GPU tests only (the code changed since the last full -m gpu run, session 19,
     # is the share's put order): the full suite takes 150 s of a 10-minute call.
-    timeout 120 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" -p no:cacheprovider \
-      > $D/pytest_gpu.txt 2>&1
-    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
-    grep -E "^FAILED.*(host_share|fused_decode|direct_put)" $D/pytest_gpu.txt && exit 1  # no row then
+    T=120 gpu_tests -m gpu tests/ -k "host_share or fused or direct_put"
     # (tests/pinned_outputs_test.py and direct_put_test.py passed on an H100 in part h5)
     # Session 22: the tiles' direct put and the CPU share's pinned partial (both on by default;
     # RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 is the code before them), alternating with the
@@ -102,10 +114,7 @@ case "$PART" in
     # layers are the same kind (window kernel + tail over PCIe and the CPU). A check of the
     # mechanism, not a row of the table (the profile's rates are the H200's).
     host
-    timeout 200 python3 -m pytest -q -m gpu tests/ -k "host_share or fused" -p no:cacheprovider \
-      > $D/pytest_gpu.txt 2>&1
-    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
-    grep -E "^FAILED.*(host_share|fused_decode)" $D/pytest_gpu.txt && exit 1
+    T=200 gpu_tests -m gpu tests/ -k "host_share or fused"
     int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=auto \
       --contexts=1048576 --kv_dtype=int8 "$@"; }
     for i in 1 2; do
@@ -121,16 +130,14 @@ case "$PART" in
     # 2M int8's on the H200 (~10 GiB, 15.5% of 1M int8's 65 GiB), so the plan's layers are
     # hybrid and the share runs.
     host
-    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
-      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
-    int1m 1m_int8_t10_default1
-    share int1m 1m_int8_t10_share1
-    SRC=ab_prev share int1m 1m_int8_t10_share_s19
-    RKV_CPU_KERNEL_NICE=5 share int1m 1m_int8_t10_share_nice5
-    int1m 1m_int8_t10_default2
-    share int1m 1m_int8_t10_share2
-    RKV_CPU_TAIL_THREADS=14 share int1m 1m_int8_t10_share_threads14
-    fused_share int1m 1m_int8_t10_fused_share
+    int1m_t10 1m_int8_t10_default1
+    share int1m_t10 1m_int8_t10_share1
+    SRC=ab_prev share int1m_t10 1m_int8_t10_share_s19
+    RKV_CPU_KERNEL_NICE=5 share int1m_t10 1m_int8_t10_share_nice5
+    int1m_t10 1m_int8_t10_default2
+    share int1m_t10 1m_int8_t10_share2
+    RKV_CPU_TAIL_THREADS=14 share int1m_t10 1m_int8_t10_share_threads14
+    fused_share int1m_t10 1m_int8_t10_fused_share
     T=100 share trace 1m_int8_t10_share --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
@@ -141,14 +148,12 @@ case "$PART" in
     # side instead of ~9. Expected: the layer's main thread ~2 ms shorter, ~6 ms -> ~4 ms, near
     # the link's ~4-5 ms a layer: 5.8 -> 7-7.5 tok/s.
     host
-    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
-      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
     one() { RKV_EARLY_PUT_ALL=1 RKV_TILES_ONE_PROGRAM=1 "$@"; }
-    share int1m 1m_int8_t10_share1
-    one share int1m 1m_int8_t10_share_one1
-    one int1m 1m_int8_t10_default_one
-    share int1m 1m_int8_t10_share2
-    one share int1m 1m_int8_t10_share_one2
+    share int1m_t10 1m_int8_t10_share1
+    one share int1m_t10 1m_int8_t10_share_one1
+    one int1m_t10 1m_int8_t10_default_one
+    share int1m_t10 1m_int8_t10_share2
+    one share int1m_t10 1m_int8_t10_share_one2
     T=100 one share trace 1m_int8_t10_share_one --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
     ;;
@@ -157,15 +162,10 @@ case "$PART" in
     # layers (1M int8, a 10 GiB tail). Expected: the early put of 16 arrays ~1.5 -> ~0.4 ms of
     # the main thread (trace); untraced little, as h3's steps already sat at that host's link.
     host
-    timeout 150 python3 -m pytest -q -m gpu tests/ -k "host_share or fused or direct_put" \
-      -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
-    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
-    grep -E "^FAILED.*(host_share|fused_decode|direct_put)" $D/pytest_gpu.txt && exit 1
-    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
-      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    gpu_tests -m gpu tests/ -k "host_share or fused or direct_put"
     for i in 1 2; do
-      int1m 1m_int8_t10_default$i
-      RKV_DIRECT_PUTS=0 int1m 1m_int8_t10_dp0_$i
+      int1m_t10 1m_int8_t10_default$i
+      RKV_DIRECT_PUTS=0 int1m_t10 1m_int8_t10_dp0_$i
     done
     for dp in 1 0; do
       T=100 RKV_DIRECT_PUTS=$dp trace 1m_int8_t10_dp$dp --configs=offload:1048576:0.155 \
@@ -179,15 +179,10 @@ case "$PART" in
     # wait gone from the trace (main_join ~0.5 -> ~0.2 ms); untraced little on this host, whose
     # layers are held by the link (busy 4.4 of 4.9 ms).
     host
-    timeout 150 python3 -m pytest -q tests/pinned_outputs_test.py tests/direct_put_test.py \
-      -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
-    rc=$?; tail -2 $D/pytest_gpu.txt; echo "pytest rc=$rc"; pack
-    grep -E "^FAILED" $D/pytest_gpu.txt && exit 1
-    int1m() { local tag=$1; shift; T=${T:-90} run $tag --configs=rkv_offload --budget=fraction \
-      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 "$@"; }
+    gpu_tests tests/pinned_outputs_test.py tests/direct_put_test.py
     for i in 1 2; do
-      int1m 1m_int8_t10_pinned$i
-      RKV_CPU_OUT_PINNED=0 int1m 1m_int8_t10_numpy$i
+      int1m_t10 1m_int8_t10_pinned$i
+      RKV_CPU_OUT_PINNED=0 int1m_t10 1m_int8_t10_numpy$i
     done
     T=100 trace 1m_int8_t10_pinned --configs=offload:1048576:0.155 --kv_dtype=int8 \
       --warmup=2 --steps=4 --trace_steps=2
