@@ -584,9 +584,9 @@ class PinnedOutputs:
 
   Each pair is handed out once and never reused, so no write can race a program still reading an
   earlier partial (PJRT keeps a buffer alive until the programs using it are done). The pairs are
-  made :data:`PINNED_OUT_BATCH` at a time per shape and device (fewer when large), by one ``jax.device_put`` of numpy
-  arrays, waited for, so that the kernel's writes land after the arrays' own initialization.
-  """
+  made :data:`PINNED_OUT_BATCH` at a time per shape and device (fewer when large), by one
+  ``jax.device_put`` of numpy arrays, waited for, so that the kernel's writes land after the
+  arrays' own initialization. Thread-safe (a lock around the stock)."""
 
   def __init__(self, batch: int = PINNED_OUT_BATCH):
     self._batch = batch

@@ -122,6 +122,7 @@ try:
   _result_handler = _jpxla.global_aval_to_result_handler
   _dest_aval = _jdispatch.update_dp_aval
   _explicit_put = _jconfig.explicit_device_put_scope  # what jax.transfer_guard counts as explicit
+  SingleDeviceSharding._device  # read by _direct_put_ok
 except (ImportError, AttributeError):  # another jax: device_put
   _BATCHED_COPY = None
 
