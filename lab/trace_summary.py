@@ -218,6 +218,32 @@ def copies_in_kernels(kernels, runner_copies, puts) -> dict:
               puts_outside=len(waits[False]), put_wait_outside_ns=med(waits[False]))
 
 
+# The CUDA driver call by which the GPU client records a completion event on a stream (a host
+# callback): PJRT makes one per transfer or program it must report done.
+HOST_FUNC = "cuLaunchHostFunc"
+
+
+def host_func_calls(by_thread: dict, layer_starts) -> dict:
+  """``by_thread``: thread kind (``main``, ``pjrt``) -> that kind's spans ``[(start_ns,
+  duration_ns, name)]``. Per kind, the :data:`HOST_FUNC` calls: count, median ns, and the median
+  over layers (from one ``rkv.layer.attend`` to the next in ``layer_starts``) of their count and
+  summed ns. Why: in an H100 trace (session 22) these calls took ~0.1 ms each on PJRT's threads,
+  25 in a 4.45 ms layer, where a driver call alone takes a few us: contention for the CUDA
+  context, which more arrays per tile (each copy's event) adds to (docs/DESIGN.md §6)."""
+  starts = sorted(layer_starts)
+  windows = list(zip(starts, starts[1:]))
+  out = {}
+  for kind, spans in sorted(by_thread.items()):
+    calls = [(a, d) for a, d, n in spans if n == HOST_FUNC]
+    if not calls:
+      continue
+    per = [[d for a, d in calls if lo <= a < hi] for lo, hi in windows]
+    out[kind] = dict(count=len(calls), median_ns=statistics.median(d for _, d in calls),
+                     per_layer_count=statistics.median(len(p) for p in per) if per else None,
+                     per_layer_ns=statistics.median(sum(p) for p in per) if per else None)
+  return out
+
+
 def _copy_requests(events) -> list:
   """The start ns of each :data:`BATCHED_PUT` in ``events`` ``[(start, duration, name)]`` (one
   thread's) that requested copies (a :data:`PUT_COPY` inside it): other arguments' puts move
@@ -273,6 +299,7 @@ def summarize(xplane_path: str, top: int) -> dict:
   copies = {}  # device plane -> (its H2D copies, its D2H copies), for layer_chain
   threads = dict(main=[], worker=[])  # rkv.* spans of the dispatching thread and of the worker
   runner_copies, puts = [], []  # for copies_in_kernels
+  driver = dict(main=[], pjrt=[])  # for host_func_calls
   for plane in pd.planes:
     if plane.name.startswith("/device:GPU"):
       lines = {}
@@ -318,8 +345,12 @@ def summarize(xplane_path: str, top: int) -> dict:
           spans[n].append(d)
         if line.name.startswith(RUNNER_THREAD):
           runner_copies += [e.start_ns for e in line.events if e.name == RUNNER_COPY]
+          driver["pjrt"] += [(e.start_ns, e.duration_ns, e.name) for e in line.events
+                             if e.name == HOST_FUNC]
         if any(n == "rkv.layer.attend" for _, _, n in named):
           threads["main"] += named
+          driver["main"] += [(e.start_ns, e.duration_ns, e.name) for e in line.events
+                             if e.name == HOST_FUNC]
           puts += _copy_requests([(e.start_ns, e.duration_ns, e.name) for e in line.events])
           out.setdefault("launch_gaps", {})[plane.name] = launch_gaps(
               [(e.start_ns, e.duration_ns, e.name) for e in line.events])
@@ -333,6 +364,9 @@ def summarize(xplane_path: str, top: int) -> dict:
              or _share_windows(threads["main"], every_d2h))
   if kernels and runner_copies:
     out["copies_in_kernels"] = copies_in_kernels(kernels, runner_copies, puts)
+  attends = [a for a, _, n in threads["main"] if n == "rkv.layer.attend"]
+  if attends and (driver["main"] or driver["pjrt"]):
+    out["host_func_calls"] = host_func_calls(driver, attends)
   if threads["worker"] or any(n.startswith("rkv.share.") for _, _, n in threads["main"]):
     out["layer_chain"] = {name: layer_chain(threads["main"], threads["worker"], h2d_all, d2h_all)
                           for name, (h2d_all, d2h_all) in copies.items()}

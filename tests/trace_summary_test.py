@@ -172,3 +172,17 @@ def test_copy_requests_are_the_puts_that_move_something():
             (500, 30, BATCHED_PUT), (510, 5, PUT_COPY)]
   assert _copy_requests(events[::-1]) == [100, 500]
   assert _copy_requests([]) == []
+
+
+def test_host_func_calls_per_thread_and_layer():
+  # Two layers (attend at 0, 1000 and 2000 ns); PJRT's thread makes 3 calls in the first and 1 in
+  # the second, the main thread 1 in each; other names are not counted.
+  from lab import trace_summary
+  f = trace_summary.HOST_FUNC
+  by_thread = dict(
+      main=[(0, 1000, "rkv.layer.attend"), (100, 10, f), (1100, 30, f), (1200, 5, "other")],
+      pjrt=[(10, 100, f), (20, 200, f), (30, 300, f), (1500, 50, f), (1600, 7, "other")])
+  out = trace_summary.host_func_calls(by_thread, [0, 1000, 2000])
+  assert out["pjrt"] == dict(count=4, median_ns=150, per_layer_count=2, per_layer_ns=325)
+  assert out["main"] == dict(count=2, median_ns=20, per_layer_count=1, per_layer_ns=20)
+  assert trace_summary.host_func_calls(dict(main=[(0, 5, "other")]), [0, 10]) == {}
