@@ -624,9 +624,9 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
   thread while this one streams tiles eagerly, else on this thread after the device partials
   (one program) are dispatched."""
   n_tiles = kv.n_full_tiles
-  # Not with a share already started (cpu_future): its kwargs hold its own output pair.
-  cpu_kw = None if cpu_future is not None else _cpu_kwargs(
-      q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles, cpu_threads=cpu_threads)
+  # Built only where a share starts here (a started one, cpu_future, holds its own output pair).
+  cpu_kw = lambda: _cpu_kwargs(q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
+                               cpu_threads=cpu_threads)
   device_part = n_stream or static["use_window"] or static["use_staging"]
   tiles = _tiles(kv, n_stream, staged)
   if schedule != "eager" or not n_stream:
@@ -645,15 +645,12 @@ def _with_cpu_tail(q, q_pos, kv, static, *, n_stream, schedule, cpu_threads, sta
       with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
         device = _unrolled(q, q_pos, kv.window, kv.staging, tiles, out_dtype=jnp.float32,
                            **static)
-    if cpu_kw is None:  # (early_cpu_share starts none for this branch)
-      cpu_kw = _cpu_kwargs(q, q_pos, static, n_stream=n_stream, n_tiles=n_tiles,
-                           cpu_threads=cpu_threads)
-    o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw)
+    o_cpu, lse_cpu = _annotated_cpu_tail(q, kv, **cpu_kw())
     return _merge_cpu(q, device, o_cpu, lse_cpu, merge=merge)
   # The eager stream issues transfers while the CPU works: the kernel runs in a worker thread,
   # started at once: it copies q (and q_pos) down itself (np.asarray: a small device → host
   # copy), and reads the tail tiles in place; the GIL is released while it runs.
-  future = cpu_future or _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw)
+  future = cpu_future or _executor().submit(_annotated_cpu_tail, q, kv, **cpu_kw())
   device = None
   try:
     with jax.profiler.TraceAnnotation("rkv.stream.dispatch"):
@@ -732,17 +729,14 @@ def _staged_device_part(q, q_pos, kv, tiles, static):
 
 def _merge_cpu(q, device, o_cpu, lse_cpu, *, merge=True):
   """The CPU partial (numpy float32, or pinned_host arrays) moved to q's device and merged with
-  the device one
-  (``merge=False``: the two partials, unmerged, as :class:`_Parts`)."""
+  the device one (``merge=False``: the two partials, unmerged, as :class:`_Parts`)."""
   dev = q.devices().pop() if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
-    if isinstance(o_cpu, jax.Array):
-      # pinned_host arrays of q's device (cpu_lib.pinned_outputs): merge_all's program moves
-      # them to the device itself.
-      cpu_part = (o_cpu, lse_cpu)
-    elif dev is None or dev == jax.devices()[0]:
-      # numpy into the jitted merge: the dispatch moves it to the default device on its C++ path
-      # (an eager jax.device_put first cost a Python call per layer).
+    if isinstance(o_cpu, jax.Array) or dev is None or dev == jax.devices()[0]:
+      # pinned_host arrays of q's device (cpu_lib.pinned_outputs), which merge_all's program
+      # moves to the device itself; or numpy into the jitted merge, which the dispatch moves to
+      # the default device on its C++ path (an eager jax.device_put first cost a Python call per
+      # layer).
       cpu_part = (o_cpu, lse_cpu)
     else:
       cpu_part = tuple(jax.device_put((o_cpu, lse_cpu), dev))

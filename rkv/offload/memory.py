@@ -91,7 +91,13 @@ def default_device() -> jax.Device:
 
 
 def sharding(memory_kind: str, device: jax.Device | None = None) -> SingleDeviceSharding:
-  return SingleDeviceSharding(device or default_device(), memory_kind=memory_kind)
+  return _cached_sharding(memory_kind, device or default_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_sharding(memory_kind: str, device: jax.Device) -> SingleDeviceSharding:
+  # One object per (kind, device): the puts of every decode step reuse it.
+  return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
 # $RKV_DIRECT_PUTS=0: tiles move by jax.device_put instead of the direct path below.
@@ -127,14 +133,9 @@ except (ImportError, AttributeError):  # another jax: device_put
   _BATCHED_COPY = None
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_sharding(memory_kind: str, device: jax.Device) -> SingleDeviceSharding:
-  return SingleDeviceSharding(device, memory_kind=memory_kind)
-
-
 @functools.lru_cache(maxsize=256)
 def _device_result_handler(host_aval, device: jax.Device):
-  s = _cached_sharding(DEVICE, device)
+  s = sharding(DEVICE, device)
   return _result_handler(_dest_aval(host_aval, s), s, True)
 
 
@@ -169,7 +170,7 @@ def put_to_device(xs, device: jax.Device | None = None) -> list[jax.Array]:
       and validation.env_switch(DIRECT_PUTS_ENV, True)):
     for x in arrays:
       x._check_if_deleted()  # jax's own error for a deleted (donated) array
-    s = _cached_sharding(DEVICE, device)
+    s = sharding(DEVICE, device)
     n = len(arrays)
     with _explicit_put():
       moved = _BATCHED_COPY(arrays, [s._internal_device_list.addressable_device_list] * n,
@@ -177,7 +178,7 @@ def put_to_device(xs, device: jax.Device | None = None) -> list[jax.Array]:
     moved = [_device_result_handler(x.aval, device)(y)
              for x, y in zip(arrays, moved)]
   else:
-    moved = jax.device_put(arrays, _cached_sharding(DEVICE, device))
+    moved = jax.device_put(arrays, sharding(DEVICE, device))
   for i, y in zip(idx, moved):
     out[i] = y
   return out
