@@ -108,6 +108,15 @@ case "$PART" in
       RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 int8_2m 2m_int8_before$i
     done
     ;;
+  a3)
+    # The runs typed by hand after part a2 on the same machine, as a part: two defaults (the
+    # first was tagged 2m_int8_before3 by a slip, without the variables: its env says so, and
+    # the results name it 2m_int8_default3a), then one with both hand-offs off.
+    host
+    int8_2m 2m_int8_default3a
+    int8_2m 2m_int8_default3b
+    RKV_DIRECT_PUTS=0 RKV_CPU_OUT_PINNED=0 int8_2m 2m_int8_before4
+    ;;
   h)
     # Part a's A/B where no H200 could be had (session 21: three tries refused): on one H100
     # (80 GB), 1M int8 leaves a tail like 2M int8's on the H200 (~8 GiB against ~10-14), so the
