@@ -89,7 +89,13 @@ _FILL_LOG = flags.DEFINE_integer("fill_log_every", 4, "Layers between fill progr
 _SPLIT = flags.DEFINE_list("split_cpu_tiles", [], "rkv_offload rows: after the planned split, "
                            "time the same caches with every hybrid layer's CPU share set to each "
                            "of these tile counts, alternating with the plan (e.g. 1,2).")
-_ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles.", lower_bound=1)
+_SWEEP_ENV = flags.DEFINE_list("sweep_env", [], "rkv_offload rows: after the planned run, time "
+                                "the same caches under each of these settings of per-step "
+                                "switches (NAME=VALUE, several joined by '+'; "
+                                "lab.decode_bench.STEP_SWITCHES), alternating with the process's "
+                                "own settings (e.g. RKV_HOST_SHARE=1,RKV_EARLY_Q_COPY=1).")
+_ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles / --sweep_env.",
+                               lower_bound=1)
 _EMBEDDING = flags.DEFINE_enum("embedding", "device", list(decode_bench.EMBEDDINGS),
                                "Where the rkv rows keep the input embedding table: the device, "
                                "or host RAM (rkv.models.embedding_to_host; untied tables only).")
@@ -121,7 +127,9 @@ def main(argv):
       offload_mode=_MODE.value, tile_cells=_TILE.value, min_tile_cells=_MIN_TILE.value,
       margin_gib=_MARGIN.value, device_memory_gib=_DEVMEM.value, hf_device=_HF_DEVICE.value,
       impl=_IMPL.value, schedule=_SCHEDULE.value, profile_path=_PROFILE.value,
-      split_cpu_tiles=tuple(int(x) for x in _SPLIT.value), sweep_rounds=_ROUNDS.value,
+      split_cpu_tiles=tuple(int(x) for x in _SPLIT.value),
+      sweep_env=tuple(decode_bench.parse_env_entry(x) for x in _SWEEP_ENV.value),
+      sweep_rounds=_ROUNDS.value,
       embedding=_EMBEDDING.value)
   decode_bench.main(cfg, _OUT.value, _PLOT.value or None, append=_APPEND.value)
 

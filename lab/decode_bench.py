@@ -99,6 +99,7 @@ Beyond HBM on one H200 (``experiments/decode_bench.py``; a pinned-host tail abov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -154,6 +155,71 @@ def int8_scale_bytes() -> int:
 # (rkv.models.embedding_to_host: a GiB more window for Llama-3-8B). Measured both ways in
 # session 16 (benchmarks/results/beyond_hbm/session16/): no consistent gain, so "device".
 EMBEDDINGS = ("device", "host")
+# The library's switches read at every decode step (so one filled cache can be timed under each
+# in turn: BenchConfig.sweep_env), spelled out like the names above (no rkv import here; the
+# tests compare them with the library's constants). Switches read once, when a forward is built
+# or at import (RKV_FUSED_DECODE, RKV_JOIN_LAYERS, RKV_PREFETCH_TILES, RKV_INT8_SCALE_DTYPE,
+# ...), need a process of their own. RKV_NEXT_PUTS is here, but the plan reserves its tiles only
+# when it is set for the whole process (rkv.planner.budget.derive_reserve): sweep it to 0 from
+# there, not to 1 from a plan made without it, on a lean reserve.
+STEP_SWITCHES = (
+    "RKV_EARLY_PUTS", "RKV_EARLY_CPU", "RKV_EARLY_Q_COPY", "RKV_WORKER_FIRST", "RKV_EARLY_PUT_ALL",
+    "RKV_TILES_ONE_PROGRAM", "RKV_SWITCH_INTERVAL_US", "RKV_NEXT_PUTS", "RKV_HOST_SHARE",
+    "RKV_DIRECT_PUTS", "RKV_CPU_OUT_PINNED", "RKV_CPU_TAIL_THREADS", "RKV_CPU_KERNEL_NICE",
+    "RKV_CPU_BUFFER_CACHE")
+
+
+def check_env_entry(entry, where: str = "sweep_env") -> None:
+  """``entry``: a non-empty tuple of ``(name, value)`` string pairs, each name one of
+  :data:`STEP_SWITCHES`, none twice. ValueError otherwise (naming the entry)."""
+  ok = isinstance(entry, tuple) and entry and all(
+      isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in entry)
+  if not ok:
+    raise ValueError(f"{where}: each sweep_env entry must be a non-empty tuple of (name, value) "
+                     f"string pairs, got {entry!r}")
+  names = [n for n, _ in entry]
+  bad = [n for n in names if n not in STEP_SWITCHES]
+  if bad:
+    raise ValueError(f"{where}: sweep_env names {bad} are not switches read at every step; "
+                     f"choose from {STEP_SWITCHES} (others need a process of their own)")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{where}: sweep_env entry {entry!r} sets a name twice")
+
+
+def parse_env_entry(text: str) -> tuple[tuple[str, str], ...]:
+  """``"NAME=VALUE[+NAME=VALUE...]"`` (a ``--sweep_env`` item) -> ``((name, value), ...)``,
+  checked by :func:`check_env_entry`."""
+  pairs = []
+  for part in text.split("+"):
+    name, eq, value = part.strip().partition("=")
+    if not eq or not name:
+      raise ValueError(f"--sweep_env: {text!r}: each setting is NAME=VALUE, joined by '+' "
+                       f"(e.g. RKV_HOST_SHARE=1+RKV_TILES_ONE_PROGRAM=1)")
+    pairs.append((name.strip(), value.strip()))
+  entry = tuple(pairs)
+  check_env_entry(entry, "--sweep_env")
+  return entry
+
+
+def env_label(entry) -> str:
+  """``"A=1+B=0"``: an entry as it is written on the command line."""
+  return "+".join(f"{n}={v}" for n, v in entry)
+
+
+@contextlib.contextmanager
+def env_set(entry):
+  """Within: ``os.environ`` with ``entry``'s settings; every variable it touched is restored on
+  the way out (unset again where it was unset), also on an error."""
+  before = {n: os.environ.get(n) for n, _ in entry}
+  try:
+    os.environ.update(dict(entry))
+    yield
+  finally:
+    for n, v in before.items():
+      if v is None:
+        os.environ.pop(n, None)
+      else:
+        os.environ[n] = v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +262,11 @@ class BenchConfig:
   # layer's count), alternating with the planned split over sweep_rounds rounds
   # (:func:`split_sweep`): what a finer or coarser PCIe/CPU split does, on one fill.
   split_cpu_tiles: tuple[int, ...] = ()
+  # rkv_offload rows: the same caches timed again under each of these settings of the library's
+  # per-step switches (:data:`STEP_SWITCHES`; each entry ``((name, value), ...)``), in the same
+  # rounds as split_cpu_tiles: an A/B of switches on one fill in one process (separate
+  # processes on one machine spread by ±8% at 2M int8: README, session 22).
+  sweep_env: tuple[tuple[tuple[str, str], ...], ...] = ()
   sweep_rounds: int = 2
   embedding: str = "device"  # EMBEDDINGS
 
@@ -237,6 +308,8 @@ class BenchConfig:
     if self.embedding not in EMBEDDINGS:
       raise ValueError(f"{where}: embedding must be one of {EMBEDDINGS}, got "
                        f"{self.embedding!r}")
+    for entry in self.sweep_env:
+      check_env_entry(entry, where)
     if not isinstance(self.sweep_rounds, int) or self.sweep_rounds < 1:
       raise ValueError(f"{where}: sweep_rounds must be a positive int, got {self.sweep_rounds!r}")
     if any(int(c) <= self.decode_steps for c in self.contexts):
@@ -257,11 +330,11 @@ class BenchConfig:
 
   @property
   def sweep_steps(self) -> int:
-    """Cells the split sweep's decode steps write (each entry and the planned split, every
-    round)."""
-    if not self.split_cpu_tiles:
+    """Cells the sweep's decode steps write (each split and env entry and the plan as it is,
+    every round)."""
+    if not (self.split_cpu_tiles or self.sweep_env):
       return 0
-    entries = len(self.split_cpu_tiles) + 1
+    entries = len(self.split_cpu_tiles) + len(self.sweep_env) + 1
     return self.sweep_rounds * entries * (self.offload_warmup + self.offload_steps)
 
   @property
@@ -813,30 +886,55 @@ def split_counts(caches) -> dict[str, int]:
 
 
 def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, what=""):
-  """The planned split and each ``cfg.split_cpu_tiles`` override on the same caches, steps
-  queued as in :func:`_decode_rkv`, alternating over ``cfg.sweep_rounds`` rounds. Returns
-  ``(entries, caches)``: one entry per split and round with the streamed/full tile counts it ran
-  and its tokens/s (median of the timed steps)."""
+  """The plan as it is, each ``cfg.split_cpu_tiles`` override and each ``cfg.sweep_env`` setting,
+  on the same caches, steps queued as in :func:`_decode_rkv`, alternating over
+  ``cfg.sweep_rounds`` rounds. Returns ``(entries, caches)``: one entry per variant and round with
+  the CPU tiles (``"planned"`` or the override), the env settings it ran under (``{}``: the
+  process's own), the streamed/full tile counts it ran and its tokens/s (median of the timed
+  steps)."""
   planned = tuple((c.tactic, c.cpu_fraction) if hasattr(c, "cpu_fraction") else None
                   for c in caches)
+  variants = ([(None, ())] + [(n, ()) for n in cfg.split_cpu_tiles]
+              + [(None, e) for e in cfg.sweep_env])
   entries = []
   for r in range(cfg.sweep_rounds):
-    for n_cpu in (None,) + tuple(cfg.split_cpu_tiles):
+    for n_cpu, env in variants:
       if n_cpu is None:  # back to the plan's own shares
         caches = tuple(c if p is None or p[0] != "hybrid" else c.with_tactic(*p)
                        for c, p in zip(caches, planned))
       else:
         caches = with_cpu_tiles(caches, n_cpu)
       counts = split_counts(caches)
-      times, _, caches = _decode_rkv(step, caches, position, cfg.offload_warmup,
-                                     cfg.offload_steps, cfg.batch)
+      with env_set(env):
+        times, _, caches = _decode_rkv(step, caches, position, cfg.offload_warmup,
+                                       cfg.offload_steps, cfg.batch)
       position += cfg.offload_warmup + cfg.offload_steps
-      e = dict(round=r, cpu_tiles="planned" if n_cpu is None else n_cpu, streamed_of=counts,
-               **_summary(times, cfg.offload_warmup, cfg.batch))
+      e = dict(round=r, cpu_tiles="planned" if n_cpu is None else n_cpu, env=dict(env),
+               streamed_of=counts, **_summary(times, cfg.offload_warmup, cfg.batch))
       entries.append(e)
-      log(f"{what}: split {e['cpu_tiles']} CPU tiles ({counts}), round {r}: "
-          f"{e['tokens_per_s']:.2f} tok/s")
+      log(f"{what}: split {e['cpu_tiles']} CPU tiles ({counts})"
+          f"{', ' + env_label(env) if env else ''}, round {r}: {e['tokens_per_s']:.2f} tok/s")
   return entries, caches
+
+
+def variant_label(entry: Mapping) -> str:
+  """A sweep entry's variant: ``"planned"``, ``"cpu_tiles=N"`` or its env settings."""
+  if entry.get("env"):
+    return env_label(tuple(entry["env"].items()))
+  return "planned" if entry["cpu_tiles"] == "planned" else f"cpu_tiles={entry['cpu_tiles']}"
+
+
+def sweep_medians(entries) -> dict[str, dict[str, float]]:
+  """Per variant of a sweep (:func:`variant_label`, in the order first run): the median of its
+  rounds' tokens/s, and that over the plan's own (``"planned"``) median: what to quote from an
+  in-process A/B."""
+  by: dict[str, list[float]] = {}
+  for e in entries:
+    by.setdefault(variant_label(e), []).append(e["tokens_per_s"])
+  base = statistics.median(by["planned"]) if "planned" in by else None
+  return {k: dict(tokens_per_s=statistics.median(v), rounds=len(v),
+                  vs_planned=statistics.median(v) / base if base else None)
+          for k, v in by.items()}
 
 
 def _device_memory_stats():
@@ -899,9 +997,10 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   # tokens): what the host costs between steps when nothing is queued behind the device.
   sync, sync_dispatch, caches = _decode_rkv(step, caches, fill + warmup + steps, 0, steps,
                                             cfg.batch, pipelined=False)
-  if name == "rkv_offload" and cfg.split_cpu_tiles:
+  if name == "rkv_offload" and (cfg.split_cpu_tiles or cfg.sweep_env):
     row["split_sweep"], caches = split_sweep(step, caches, fill + warmup + 2 * steps, cfg,
                                              log=log, what=what)
+    row["sweep_medians"] = sweep_medians(row["split_sweep"])
   del caches
   row.update(_summary(times, warmup, cfg.batch))
   row["pipelined"] = True

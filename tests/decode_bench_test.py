@@ -404,6 +404,95 @@ def test_split_sweep_overrides_the_cpu_share_and_restores_the_plan():
     decode_bench.BenchConfig(sweep_rounds=0, **TINY)
 
 
+def test_step_switches_are_the_library_switches():
+  from rkv import rolling
+  from rkv.models import transformer
+  from rkv.offload import cpu_attention, memory, stream
+  assert set(decode_bench.STEP_SWITCHES) == {
+      rolling.EARLY_PUTS_ENV, rolling.EARLY_CPU_ENV, rolling.EARLY_Q_COPY_ENV,
+      rolling.WORKER_FIRST_ENV, rolling.EARLY_PUT_ALL_ENV, rolling.TILES_ONE_PROGRAM_ENV,
+      rolling.SWITCH_INTERVAL_ENV, stream.NEXT_PUTS_ENV, transformer.HOST_SHARE_ENV,
+      memory.DIRECT_PUTS_ENV, cpu_attention.PINNED_OUT_ENV, cpu_attention.TAIL_THREADS_ENV,
+      cpu_attention.WORKER_NICE_ENV, cpu_attention._BUFFERS_ENV}
+  assert len(set(decode_bench.STEP_SWITCHES)) == len(decode_bench.STEP_SWITCHES)
+
+
+def test_env_entries_parse_and_refuse_what_a_sweep_cannot_switch():
+  assert decode_bench.parse_env_entry("RKV_HOST_SHARE=1+RKV_TILES_ONE_PROGRAM=1") == (
+      ("RKV_HOST_SHARE", "1"), ("RKV_TILES_ONE_PROGRAM", "1"))
+  assert decode_bench.env_label((("RKV_HOST_SHARE", "1"), ("RKV_EARLY_CPU", "0"))) == (
+      "RKV_HOST_SHARE=1+RKV_EARLY_CPU=0")
+  for bad, match in (("RKV_HOST_SHARE", "NAME=VALUE"), ("=1", "NAME=VALUE"),
+                     ("RKV_FUSED_DECODE=1", "not switches read at every step"),
+                     ("RKV_HOST_SHARE=1+RKV_HOST_SHARE=0", "twice")):
+    with pytest.raises(ValueError, match=match):
+      decode_bench.parse_env_entry(bad)
+  with pytest.raises(ValueError, match="sweep_env"):
+    decode_bench.BenchConfig(sweep_env=(("RKV_PREFETCH_TILES", "8"),), **TINY)
+  with pytest.raises(ValueError, match="sweep_env"):
+    decode_bench.BenchConfig(sweep_env=((("RKV_PREFETCH_TILES", "8"),),), **TINY)
+
+
+def test_env_set_restores_what_it_touched(monkeypatch):
+  monkeypatch.setenv("RKV_EARLY_CPU", "1")
+  monkeypatch.delenv("RKV_HOST_SHARE", raising=False)
+  entry = (("RKV_EARLY_CPU", "0"), ("RKV_HOST_SHARE", "1"))
+  with pytest.raises(RuntimeError):
+    with decode_bench.env_set(entry):
+      import os
+      assert os.environ["RKV_EARLY_CPU"] == "0" and os.environ["RKV_HOST_SHARE"] == "1"
+      raise RuntimeError("a step failed")
+  import os
+  assert os.environ["RKV_EARLY_CPU"] == "1" and "RKV_HOST_SHARE" not in os.environ
+
+
+def test_env_sweep_times_each_setting_on_the_same_caches(monkeypatch):
+  # The plan's own settings, then each entry, every round, on one fill: each entry's steps run
+  # under its settings (seen by the decode loop) and nothing stays set after it.
+  import os
+  import jax
+  from flax import nnx
+  from rkv import generate as gen
+  from rkv.generate import Stepper
+  from rkv.models import Transformer
+  monkeypatch.delenv("RKV_HOST_SHARE", raising=False)
+  monkeypatch.delenv("RKV_EARLY_Q_COPY", raising=False)
+  env = (("RKV_HOST_SHARE", "1"),), (("RKV_EARLY_Q_COPY", "1"), ("RKV_EARLY_CPU", "0"))
+  cfg = decode_bench.BenchConfig(configs=("rkv_offload",), sweep_env=env, sweep_rounds=2,
+                                 split_cpu_tiles=(0,), **TINY)
+  assert cfg.sweep_steps == 2 * 4 * (1 + 2)
+  mc = decode_bench.model_config(cfg)
+  plan, _ = decode_bench._offload_plan(cfg, mc, 512)
+  plan = gen.force_tactic(plan, "hybrid", window_cells=128, tile_cells=96)
+  caches = decode_bench.build_caches(cfg, mc, 512, jax.random.key(0), plan, log=lambda m: None)
+  step = Stepper(Transformer(mc, rngs=nnx.Rngs(0)), caches, None)
+  seen = []
+  real = decode_bench._decode_rkv
+
+  def spy(*args, **kwargs):
+    seen.append({n: os.environ.get(n) for n in ("RKV_HOST_SHARE", "RKV_EARLY_Q_COPY",
+                                                 "RKV_EARLY_CPU")})
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(decode_bench, "_decode_rkv", spy)
+  position = caches[0].fill
+  entries, caches = decode_bench.split_sweep(step, caches, position, cfg, log=lambda m: None)
+  labels = ["planned", "cpu_tiles=0", "RKV_HOST_SHARE=1", "RKV_EARLY_Q_COPY=1+RKV_EARLY_CPU=0"]
+  assert [decode_bench.variant_label(e) for e in entries] == labels * 2
+  assert [e["round"] for e in entries] == [0] * 4 + [1] * 4
+  none = dict(RKV_HOST_SHARE=None, RKV_EARLY_Q_COPY=None, RKV_EARLY_CPU=None)
+  assert seen == [none, none, dict(none, RKV_HOST_SHARE="1"),
+                  dict(none, RKV_EARLY_Q_COPY="1", RKV_EARLY_CPU="0")] * 2
+  assert "RKV_HOST_SHARE" not in os.environ and "RKV_EARLY_Q_COPY" not in os.environ
+  # The share ran its layers while its entry was set (the forward records the layers it served).
+  assert len(step.fn.host_shares) > 0
+  assert caches[0].fill == position + 2 * 4 * 3
+  medians = decode_bench.sweep_medians(entries)
+  assert list(medians) == labels
+  assert all(m["rounds"] == 2 and m["tokens_per_s"] > 0 for m in medians.values())
+  assert medians["planned"]["vs_planned"] == 1.0
+
+
 def test_rows_count_the_layers_that_ran_the_host_share(monkeypatch):
   # $RKV_HOST_SHARE moves a cpu / hybrid layer's CPU share into rkv.offload.host_share; a row
   # records how many layers it ran for, so a row with the switch set but no share is visible.
