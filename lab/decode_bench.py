@@ -912,8 +912,8 @@ def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, wha
       e = dict(round=r, cpu_tiles="planned" if n_cpu is None else n_cpu, env=dict(env),
                streamed_of=counts, **_summary(times, cfg.offload_warmup, cfg.batch))
       entries.append(e)
-      log(f"{what}: split {e['cpu_tiles']} CPU tiles ({counts})"
-          f"{', ' + env_label(env) if env else ''}, round {r}: {e['tokens_per_s']:.2f} tok/s")
+      log(f"{what}: {variant_label(e)} (streamed/full tiles: layers {counts}), round {r}: "
+          f"{e['tokens_per_s']:.2f} tok/s")
   return entries, caches
 
 

@@ -1,0 +1,41 @@
+# Session 23's GPU plan. Since session 18 six switches aimed at the hybrid layer's host chain have
+# been built but never timed on an H200 (README, "Environment variables": RKV_EARLY_Q_COPY,
+# RKV_WORKER_FIRST, RKV_SWITCH_INTERVAL_US, RKV_TILES_ONE_PROGRAM, RKV_EARLY_PUT_ALL, and the host
+# share RKV_HOST_SHARE with its put reorder of session 20), and separate runs of one setting on
+# one machine spread by ±8% at 2M int8 (session 22). decode_bench --sweep_env now times every
+# setting on one fill in one process, alternating with the defaults, so each part below is one
+# process per row and the sweep's medians (row["sweep_medians"]) are the A/B.
+# Expected, written before it ran: at 2M int8 the one-program forms (two programs a layer for the
+# device side) shorten the main thread by ~1 ms a layer where the link idles 1.4-1.9 ms: up to
+# +15% if the layer is the main thread's; the host share +0-10%; the rest within ±3%.
+#   bash benchmarks/session23_h200.sh a   # 2M int8 sweep; the 1M and B=8 x 128K sweeps; a trace
+#                                         # of the defaults at 2M int8
+#   bash benchmarks/session23_h200.sh b   # the winner's trace (set WIN to its settings)
+# Then here: python3 -m lab.trace_summary --only=layer_chain OUT.json $D/x/... and
+# python3 -m lab.trace_timeline TRACE --layer=10.
+D=/tmp/s23_${1:-a} NAME=s23 PART=${1:-a}
+source "$(dirname "$0")/h200_common.sh"
+host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
+SWEEP=RKV_EARLY_Q_COPY=1,RKV_WORKER_FIRST=1,RKV_SWITCH_INTERVAL_US=200,RKV_TILES_ONE_PROGRAM=1
+SWEEP=$SWEEP,RKV_EARLY_PUT_ALL=1+RKV_TILES_ONE_PROGRAM=1,RKV_HOST_SHARE=1
+SWEEP=$SWEEP,RKV_HOST_SHARE=1+RKV_TILES_ONE_PROGRAM=1
+case "$PART" in
+  a)
+    host
+    T=200 run 2m_int8_sweep --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --sweep_env=$SWEEP --split_cpu_tiles=3 --sweep_rounds=3
+    T=170 run 1m_sweep --configs=rkv_offload --budget=auto --contexts=1048576 \
+      --sweep_env=$SWEEP --sweep_rounds=2
+    T=170 run b8_sweep --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
+      --sweep_env=$SWEEP --sweep_rounds=2
+    T=110 trace 2m_int8_default --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
+      --trace_steps=2
+    ;;
+  b)
+    host
+    # WIN: the winner's settings, space-separated (e.g. WIN="RKV_TILES_ONE_PROGRAM=1").
+    (export ${WIN:?set WIN to the winning settings}; T=110 trace 2m_int8_win \
+      --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 --trace_steps=2)
+    ;;
+esac
+echo "== done $(date +%T)"
