@@ -10,6 +10,8 @@
 # +15% if the layer is the main thread's; the host share +0-10%; the rest within ±3%.
 #   bash benchmarks/session23_h200.sh a   # 2M int8 sweep; the 1M and B=8 x 128K sweeps; a trace
 #                                         # of the defaults at 2M int8
+#   bash benchmarks/session23_h200.sh h   # part a's sweeps on an H100 (1M int8, 10 GiB tail;
+#                                         # 128K half), where no H200 comes
 #   bash benchmarks/session23_h200.sh b   # the winner's trace (set WIN to its settings)
 # Then here: python3 -m lab.trace_summary --only=layer_chain OUT.json $D/x/... and
 # python3 -m lab.trace_timeline TRACE --layer=10.
@@ -30,6 +32,16 @@ case "$PART" in
       --sweep_env=$SWEEP --sweep_rounds=2
     T=110 trace 2m_int8_default --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
       --trace_steps=2
+    ;;
+  h)
+    # Part a's sweeps where no H200 comes, on one H100 (80 GB): 1M int8 with a 10 GiB tail (32
+    # hybrid layers, like 2M int8's on the H200: session 20's part h2) and 128K half-offloaded
+    # (bf16, an 8 GiB tail, as on the H200). A check of the mechanism, not a row of the table.
+    host
+    T=200 run 1m_int8_t10_sweep --configs=rkv_offload --budget=fraction --offload_fraction=0.155 \
+      --contexts=1048576 --kv_dtype=int8 --sweep_env=$SWEEP --sweep_rounds=3
+    T=150 run half128_sweep --configs=rkv_offload --contexts=131072 --sweep_env=$SWEEP \
+      --sweep_rounds=3
     ;;
   b)
     host
