@@ -5,7 +5,9 @@ wrote there (an H200 script's part: ``benchmarks/results/beyond_hbm/session18/a/
 per rkv row, in the order the runs were made: the file, the switches set for it (the ``env`` the
 result recorded, rkv's defaults left out), tok/s, the bound and the ratio, the host GiB of its
 plan, the library code that ran (``code``, :func:`rkv.benchmarking.code_fingerprint`; results
-from before session 19 have none), and then the median tok/s of the files that set the same
+from before session 19 have none), under a row the medians of its in-process sweep
+(``decode_bench --split_cpu_tiles`` / ``--sweep_env``: each variant's tok/s and its ratio to
+the plan's own settings), and then the median tok/s of the files that set the same
 switches and ran the same code. Files of other
 benchmarks and rows without a tok/s are skipped (named on stderr). No jax: it only reads JSON.
 """
@@ -45,7 +47,8 @@ def rows_of(path: str) -> list[dict]:
                     context=row.get("context"), batch=row.get("batch"),
                     kv_dtype=row.get("kv_dtype"), tokens_per_s=row["tokens_per_s"],
                     bound_tokens_per_s=row.get("bound_tokens_per_s"),
-                    bound_ratio=row.get("bound_ratio"), host_kv_gib=row.get("host_kv_gib")))
+                    bound_ratio=row.get("bound_ratio"), host_kv_gib=row.get("host_kv_gib"),
+                    sweep=row.get("sweep_medians") or {}))
   return out
 
 
@@ -89,6 +92,9 @@ def main(argv=None) -> None:
           f"{_fmt(r['tokens_per_s'], '7.2f')} tok/s  bound {_fmt(r['bound_tokens_per_s'], '6.2f')}"
           f"  x{_fmt(r['bound_ratio'], '.2f')}  host {_fmt(r['host_kv_gib'], '.2f')} GiB  "
           f"{_code(r['code'])}{r['switches']}")
+    for variant, m in r["sweep"].items():  # an in-process sweep (decode_bench --sweep_env)
+      print(f"    sweep {variant:<60s} {_fmt(m.get('tokens_per_s'), '7.2f')} tok/s  "
+            f"x{_fmt(m.get('vs_planned'), '.3f')} of planned  ({m.get('rounds')} rounds)")
   print("medians:")
   for (sw, config, context, batch, kv, code), med in sorted(medians.items(),
                                                              key=lambda kv: kv[0][1:]):

@@ -67,3 +67,12 @@ def test_the_code_fingerprint_follows_the_sources(tmp_path):
   assert benchmarking.environment()["code"] == benchmarking.code_fingerprint()
   with pytest.raises(ValueError, match="root"):
     benchmarking.code_fingerprint(str(tmp_path / "missing"))
+
+
+def test_a_rows_in_process_sweep_is_printed_under_it(tmp_path, capsys):
+  sweep = {"planned": dict(tokens_per_s=6.5, rounds=3, vs_planned=1.0),
+           "RKV_HOST_SHARE=1": dict(tokens_per_s=7.15, rounds=3, vs_planned=1.1)}
+  _result(tmp_path / "s.json", "2026-12-06T00:00:00Z", {}, 6.4, sweep_medians=sweep)
+  ab_summary.main([str(tmp_path)])
+  out = capsys.readouterr().out
+  assert "sweep RKV_HOST_SHARE=1" in out and "7.15 tok/s  x1.100 of planned  (3 rounds)" in out
