@@ -888,7 +888,7 @@ def split_counts(caches) -> dict[str, int]:
 def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, what=""):
   """The plan as it is, each ``cfg.split_cpu_tiles`` override and each ``cfg.sweep_env`` setting,
   on the same caches, steps queued as in :func:`_decode_rkv`, alternating over
-  ``cfg.sweep_rounds`` rounds. Returns ``(entries, caches)``: one entry per variant and round with
+  ``cfg.sweep_rounds`` rounds (odd rounds in reverse order). Returns ``(entries, caches)``: one entry per variant and round with
   the CPU tiles (``"planned"`` or the override), the env settings it ran under (``{}``: the
   process's own), the streamed/full tile counts it ran and its tokens/s (median of the timed
   steps)."""
@@ -898,7 +898,9 @@ def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, wha
               + [(None, e) for e in cfg.sweep_env])
   entries = []
   for r in range(cfg.sweep_rounds):
-    for n_cpu, env in variants:
+    # Odd rounds run the variants in reverse, so a drift over the run (the host warming, the
+    # allocator's state) does not favour the ones run first.
+    for n_cpu, env in (variants if r % 2 == 0 else variants[::-1]):
       if n_cpu is None:  # back to the plan's own shares
         caches = tuple(c if p is None or p[0] != "hybrid" else c.with_tactic(*p)
                        for c, p in zip(caches, planned))
