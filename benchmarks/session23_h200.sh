@@ -13,6 +13,7 @@
 #   bash benchmarks/session23_h200.sh a2  # the B=8 x 128K sweep
 #   bash benchmarks/session23_h200.sh h   # part a's sweeps on an H100 (1M int8, 10 GiB tail;
 #                                         # 128K half), where no H200 comes
+#   bash benchmarks/session23_h200.sh h2  # the host share's split on the H100 (1M int8, 128K half)
 #   bash benchmarks/session23_h200.sh b   # the winner's trace (set WIN to its settings)
 # Then here: python3 -m lab.trace_summary --only=layer_chain OUT.json $D/x/... and
 # python3 -m lab.trace_timeline TRACE --layer=10.
@@ -57,6 +58,18 @@ case "$PART" in
       --contexts=1048576 --kv_dtype=int8 --sweep_env=$SWEEP --sweep_rounds=3
     T=150 run half128_sweep --configs=rkv_offload --contexts=131072 --sweep_env=$SWEEP \
       --sweep_rounds=3
+    ;;
+  h2)
+    # Part h's rows with the host share for the whole process and its PCIe/CPU split swept (the
+    # plan's 2 of 7 CPU tiles at 1M int8, 1 of 3 at 128K half): with the share at ~96% of the
+    # link's time at 1M int8 (5 tiles of ~49 MB at ~55 GB/s), more CPU tiles may win.
+    host
+    (export RKV_HOST_SHARE=1
+     T=170 run 1m_int8_t10_share_split --configs=rkv_offload --budget=fraction \
+       --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=3,4 \
+       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
+     T=120 run half128_share_split --configs=rkv_offload --contexts=131072 --split_cpu_tiles=2 \
+       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3)
     ;;
   b)
     host
