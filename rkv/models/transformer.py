@@ -511,7 +511,7 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # Read at each step; off by default: exact on the CPU backend and the H200, no faster there
 # (session 19), where its layers' tiles were put after its kernel had started and their copies
 # waited for it; they are put before it now (session 20, unmeasured; docs/DESIGN.md §6).
-HOST_SHARE_ENV = "RKV_HOST_SHARE"
+HOST_SHARE_ENV = host_share.HOST_SHARE_ENV
 
 
 class _HostShares:
@@ -666,7 +666,7 @@ def layered_forward(model: Transformer, *, impl: str | None = None, last_only: b
       plan_prefetch(caches)
     x, tables = enter(edge_leaves, tokens, positions)
     new_caches = []
-    share_env = validation.env_switch(HOST_SHARE_ENV, False)
+    share_env = host_share.share_on()
     chain = (fused_decode.Chain(impl=impl, positions=positions, prefetcher=prefetcher,
                                 host_shares=host_shares if share_env else None)
              if fused else None)

@@ -34,9 +34,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import validation
 from rkv.offload import cpu_attention as cpu_lib
 from rkv.offload import memory
 from rkv.offload import share_build
+
+# $RKV_HOST_SHARE=1: decode steps run their layers' CPU shares here (rkv.models.transformer says
+# where and why); the planner then models a CPU share's fixed cost as this thread's
+# (rkv.planner.Profile.for_host_share). Read at each step and each plan.
+HOST_SHARE_ENV = "RKV_HOST_SHARE"
+
+
+def share_on() -> bool:
+  """``$RKV_HOST_SHARE``, read now (off when unset)."""
+  return validation.env_switch(HOST_SHARE_ENV, False)
 
 START_TARGET = "rkv_share_start"
 WAIT_TARGET = "rkv_share_wait"

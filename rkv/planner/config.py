@@ -50,6 +50,9 @@ class ResidencyConfig:
   ``kv_dtype``: overrides the config's. ``profile`` / ``profile_path``: the figures (default: the
   profile at ``~/.cache/rkv/profile.json`` if present, else H200_DEFAULT); every figure can be
   overridden by the field of its name.
+  ``host_share``: whether decode steps run the CPU shares in rkv.offload.host_share's C++ thread,
+  whose fixed cost a call is the plan's then (:meth:`Profile.for_host_share`); None (default):
+  ``$RKV_HOST_SHARE`` when the plan is made.
   """
 
   mode: str = "auto"
@@ -77,9 +80,13 @@ class ResidencyConfig:
   hybrid_pcie_gbps: float | None = None
   hybrid_cpu_gbps: float | None = None
   cpu_int8_share: float | None = None
+  host_share: bool | None = None
 
   def __post_init__(self):
     where = "ResidencyConfig"
+    if self.host_share is not None and not isinstance(self.host_share, (bool, np.bool_)):
+      raise ValueError(f"{where}: host_share must be a bool or None ($RKV_HOST_SHARE), got "
+                       f"{self.host_share!r}")
     object.__setattr__(self, "mode", tactics.canonical_mode(self.mode, where))
     if self.mode not in MODES:
       raise ValueError(f"{where}: mode must be one of {MODES}, got {self.mode!r}")
@@ -115,6 +122,13 @@ class ResidencyConfig:
       check_positive(where, name, getattr(self, name), allow_zero=True)
     if self.overlap is not None and (not is_num(self.overlap) or not 0 <= self.overlap <= 1):
       raise ValueError(f"{where}: overlap must be in [0, 1] or None, got {self.overlap!r}")
+
+  def host_share_on(self) -> bool:
+    """``host_share``, else ``$RKV_HOST_SHARE`` read now."""
+    if self.host_share is not None:
+      return bool(self.host_share)
+    from rkv.offload import host_share  # jax and the share's builder: only when asked
+    return host_share.share_on()
 
   def resolve_profile(self) -> Profile:
     """The profile the planner uses: ``profile``, else ``profile_path``, else the default file if

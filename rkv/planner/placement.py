@@ -113,6 +113,9 @@ class Plan:
   budget_source: str = ""
   reserve: Reserve | None = None
   free_bytes: int | None = None
+  # Planned for CPU shares in rkv.offload.host_share's thread (ResidencyConfig.host_share): the
+  # cpu / hybrid times use Profile.for_host_share's fixed cost.
+  host_share: bool = False
 
   @property
   def reserve_bytes(self) -> int:
@@ -199,6 +202,9 @@ class Plan:
         f"{'' if self.reserve is None else f' ({self.reserve.describe()})'}"
         f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
         f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
+        *([f"CPU shares in the host-share thread ($RKV_HOST_SHARE): a call's fixed cost "
+           f"{self.profile.for_host_share().cpu_overhead_us or 0:.0f} us, not "
+           f"{self.profile.cpu_overhead_us or 0:.0f}"] if self.host_share else []),
         fmt(cols), *(fmt(r) for r in rows), fmt(total),
         f"totals: device {mib(self.device_bytes)} MiB of {mib(self.budget_bytes)} MiB budget, "
         f"host {mib(self.host_bytes)} MiB; modeled step {us(step)} us "
@@ -323,6 +329,11 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   # The model's figures for this cache's dtype (an int8 tail is attended on the CPU at its own
   # rate: Profile.for_kv_dtype); the plan keeps the profile as resolved.
   kv_profile = profile.for_kv_dtype(shape.kv_dtype)
+  # A CPU share in the C++ thread pays two stream-ordered copies a call, not the Python worker's
+  # chain (Profile.for_host_share), so its split moves toward the CPU.
+  host_share = cfg.host_share_on()
+  if host_share:
+    kv_profile = kv_profile.for_host_share()
   sz = cell_sizes(shape, batch)
   from rkv.offload import memory
   explicit = bool(cfg.vram_target_mib)
@@ -357,7 +368,8 @@ def plan(model_config, context_len: int, batch: int = 1, *,
                "" if free is None else f"; device free {format_bytes(free)}")
     result = Plan(layers=tuple(layers), context_len=context_len, batch=batch, mode=cfg.mode,
                   kv_dtype=shape.kv_dtype, budget_bytes=budget, profile=profile, shape=shape,
-                  budget_source=budget_src, reserve=res, free_bytes=free)
+                  budget_source=budget_src, reserve=res, free_bytes=free,
+                  host_share=host_share)
     memory.check_host_pool(result.host_bytes, where="plan", argument="context_len")
     # The one line a plan logs at INFO; the figures behind it are DEBUG (and in the table).
     log.info("%s", result.summary())

@@ -149,6 +149,21 @@ class Profile:
     return dataclasses.replace(self, cpu_attn_gbps=scaled(self.cpu_attn_gbps),
                                hybrid_cpu_gbps=scaled(self.hybrid_cpu_gbps))
 
+  def for_host_share(self) -> "Profile":
+    """The figures of a CPU share run by rkv.offload.host_share's C++ thread (``$RKV_HOST_SHARE``):
+    ``cpu_overhead_us`` becomes two small stream-ordered copies, ``2 x copy_latency_us`` (the query
+    down, the partial up), where the probe fitted it through the Python worker's path (its start,
+    the query's copy through PJRT's threads, its setup and the join's wait: 2188 us on the H200).
+    An estimate, not a probed figure (the probe does not run the share yet); what it plans was the
+    fastest split measured (docs/DESIGN.md §6, session 23: on an H100, 1M int8 with the share ran
+    3-4 of 7 tiles on the CPU at 7.95 tok/s against 6.74 at the worker's split of 2, and 128K
+    half 2 of 3 at 9.47 against 9.15). Never raises the fixed cost; unchanged without a
+    ``cpu_overhead_us`` (the model then adds the partial's copy itself)."""
+    if self.cpu_overhead_us is None:
+      return self
+    return dataclasses.replace(
+        self, cpu_overhead_us=min(self.cpu_overhead_us, 2.0 * self.copy_latency_us))
+
   def describe(self) -> str:
     f = lambda x, unit, fmt="{:.4g}": "-" if x is None else fmt.format(x) + unit
     plus = lambda x, what: "" if x is None else f" + {x:.4g} us/{what}"
