@@ -14,6 +14,7 @@
 #   bash benchmarks/session23_h200.sh h   # part a's sweeps on an H100 (1M int8, 10 GiB tail;
 #                                         # 128K half), where no H200 comes
 #   bash benchmarks/session23_h200.sh h2  # the host share's split on the H100 (1M int8, 128K half)
+#   bash benchmarks/session23_h200.sh h3  # the share-aware plan on the H100, against the worker
 #   bash benchmarks/session23_h200.sh b   # the winner's trace (set WIN to its settings)
 # Then here: python3 -m lab.trace_summary --only=layer_chain OUT.json $D/x/... and
 # python3 -m lab.trace_timeline TRACE --layer=10.
@@ -66,6 +67,19 @@ case "$PART" in
        --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=3,4 \
        --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
      T=120 run half128_share_split --configs=rkv_offload --contexts=131072 --split_cpu_tiles=2 \
+       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3)
+    ;;
+  h3)
+    # The planner now plans a share's split with the share's fixed cost (Profile.for_host_share):
+    # with RKV_HOST_SHARE=1 for the process, 1M int8 (10 GiB tail) should plan 3 of 7 tiles on
+    # the CPU and 128K half 2 of 3. Each against the other splits and, at the share's plan, the
+    # Python worker (RKV_HOST_SHARE=0): does the worker gain from that split too?
+    host
+    (export RKV_HOST_SHARE=1
+     T=170 run 1m_int8_t10_share_plan --configs=rkv_offload --budget=fraction \
+       --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=2,4 \
+       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
+     T=120 run half128_share_plan --configs=rkv_offload --contexts=131072 --split_cpu_tiles=1 \
        --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3)
     ;;
   b)
