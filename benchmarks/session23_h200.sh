@@ -30,13 +30,15 @@ case "$PART" in
     # CPU: 1M int8 (7 tiles a layer) 7.95 / 7.97 tok/s at 3 / 4 CPU tiles against 6.74 at the
     # plan's 2 and 6.43 without the share; 128K half 9.47 at 2 of 3 against 9.15 and 8.53. The
     # plan's split assumes the Python worker's fixed cost (2.19 ms a call); the share's is its two
-    # stream-ordered copies. Here the same on the H200 rows, the share for the whole process.
+    # stream-ordered copies. Here the same on the H200 rows, the share for the whole process (its
+    # plan made with the share's fixed cost since a6d6bef; each part is packed as it ends, so a
+    # call cut short keeps the rows before).
     host
     (export RKV_HOST_SHARE=1
      T=170 run 2m_int8_share_split --configs=rkv_offload --budget=auto --contexts=2097152 \
-       --kv_dtype=int8 --split_cpu_tiles=3,4 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
+       --kv_dtype=int8 --split_cpu_tiles=2,3,4 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
      T=150 run 1m_share_split --configs=rkv_offload --budget=auto --contexts=1048576 \
-       --split_cpu_tiles=2,3 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=2
+       --split_cpu_tiles=1,2 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=2
      T=170 run 2m_int8_share_t16k --configs=rkv_offload --budget=auto --contexts=2097152 \
        --kv_dtype=int8 --tile_cells=16384 --split_cpu_tiles=5,6,7 --sweep_rounds=2)
     T=170 run 2m_int8_sweep --configs=rkv_offload --budget=auto --contexts=2097152 \
