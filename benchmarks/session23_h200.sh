@@ -24,6 +24,14 @@ host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $
 SWEEP=RKV_EARLY_Q_COPY=1,RKV_WORKER_FIRST=1,RKV_SWITCH_INTERVAL_US=200,RKV_TILES_ONE_PROGRAM=1
 SWEEP=$SWEEP,RKV_EARLY_PUT_ALL=1+RKV_TILES_ONE_PROGRAM=1,RKV_HOST_SHARE=1
 SWEEP=$SWEEP,RKV_HOST_SHARE=1+RKV_TILES_ONE_PROGRAM=1
+# share_split TAG CPU_TILES ARGS...: the share for the whole process (its plan too), the split
+# swept to CPU_TILES, and the Python worker (RKV_HOST_SHARE=0) at the plan's split.
+share_split() {
+  local tag=$1 tiles=$2; shift 2
+  (export RKV_HOST_SHARE=1; run $tag --configs=rkv_offload --split_cpu_tiles=$tiles \
+     --sweep_env=RKV_HOST_SHARE=0 "$@")
+}
+INT1M_T10="--budget=fraction --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8"
 case "$PART" in
   a)
     # Part h2 (an H100, in-process, three rounds): with the host share the best split moved to the
@@ -34,13 +42,11 @@ case "$PART" in
     # plan made with the share's fixed cost since a6d6bef; each part is packed as it ends, so a
     # call cut short keeps the rows before).
     host
-    (export RKV_HOST_SHARE=1
-     T=170 run 2m_int8_share_split --configs=rkv_offload --budget=auto --contexts=2097152 \
-       --kv_dtype=int8 --split_cpu_tiles=2,3,4 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
-     T=150 run 1m_share_split --configs=rkv_offload --budget=auto --contexts=1048576 \
-       --split_cpu_tiles=1,2 --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=2
-     T=170 run 2m_int8_share_t16k --configs=rkv_offload --budget=auto --contexts=2097152 \
-       --kv_dtype=int8 --tile_cells=16384 --split_cpu_tiles=5,6,7 --sweep_rounds=2)
+    T=170 share_split 2m_int8_share_split 2,3,4 --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --sweep_rounds=3
+    T=150 share_split 1m_share_split 1,2 --budget=auto --contexts=1048576 --sweep_rounds=2
+    T=170 share_split 2m_int8_share_t16k 5,6,7 --budget=auto --contexts=2097152 --kv_dtype=int8 \
+      --tile_cells=16384 --sweep_rounds=2
     T=170 run 2m_int8_sweep --configs=rkv_offload --budget=auto --contexts=2097152 \
       --kv_dtype=int8 --sweep_env=$SWEEP --sweep_rounds=2
     ;;
@@ -54,8 +60,7 @@ case "$PART" in
     # hybrid layers, like 2M int8's on the H200: session 20's part h2) and 128K half-offloaded
     # (bf16, an 8 GiB tail, as on the H200). A check of the mechanism, not a row of the table.
     host
-    T=200 run 1m_int8_t10_sweep --configs=rkv_offload --budget=fraction --offload_fraction=0.155 \
-      --contexts=1048576 --kv_dtype=int8 --sweep_env=$SWEEP --sweep_rounds=3
+    T=200 run 1m_int8_t10_sweep --configs=rkv_offload $INT1M_T10 --sweep_env=$SWEEP --sweep_rounds=3
     T=150 run half128_sweep --configs=rkv_offload --contexts=131072 --sweep_env=$SWEEP \
       --sweep_rounds=3
     ;;
@@ -64,12 +69,8 @@ case "$PART" in
     # plan's 2 of 7 CPU tiles at 1M int8, 1 of 3 at 128K half): with the share at ~96% of the
     # link's time at 1M int8 (5 tiles of ~49 MB at ~55 GB/s), more CPU tiles may win.
     host
-    (export RKV_HOST_SHARE=1
-     T=170 run 1m_int8_t10_share_split --configs=rkv_offload --budget=fraction \
-       --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=3,4 \
-       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
-     T=120 run half128_share_split --configs=rkv_offload --contexts=131072 --split_cpu_tiles=2 \
-       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3)
+    T=170 share_split 1m_int8_t10_share_split 3,4 $INT1M_T10 --sweep_rounds=3
+    T=120 share_split half128_share_split 2 --contexts=131072 --sweep_rounds=3
     ;;
   h3)
     # The planner now plans a share's split with the share's fixed cost (Profile.for_host_share):
@@ -77,12 +78,8 @@ case "$PART" in
     # the CPU and 128K half 2 of 3. Each against the other splits and, at the share's plan, the
     # Python worker (RKV_HOST_SHARE=0): does the worker gain from that split too?
     host
-    (export RKV_HOST_SHARE=1
-     T=170 run 1m_int8_t10_share_plan --configs=rkv_offload --budget=fraction \
-       --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=2,4 \
-       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
-     T=120 run half128_share_plan --configs=rkv_offload --contexts=131072 --split_cpu_tiles=1 \
-       --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3)
+    T=170 share_split 1m_int8_t10_share_plan 2,4 $INT1M_T10 --sweep_rounds=3
+    T=120 share_split half128_share_plan 1 --contexts=131072 --sweep_rounds=3
     ;;
   b)
     host
