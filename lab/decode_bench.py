@@ -750,6 +750,8 @@ def _offload_plan(cfg: BenchConfig, mc, context: int, memory_stats: Mapping | No
                              _device_memory_stats())
     info["free_device_gib"] = None if free is None else free / GIB
   info["tactics"] = {t: _tactics(p).count(t) for t in sorted(set(_tactics(p)))}
+  # Split planned for CPU shares in the host-share thread ($RKV_HOST_SHARE, Plan.host_share).
+  info["plan_host_share"] = bool(getattr(p, "host_share", False))
   info["device_kv_gib"] = p.device_bytes / GIB
   info["host_kv_gib"] = p.host_bytes / GIB
   info["modeled_step_s"] = p.step_time_s

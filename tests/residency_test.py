@@ -286,7 +286,7 @@ def test_the_host_share_plans_its_own_fixed_cost(monkeypatch):
                       for lp in plan.layers} for share, plan in plans.items()}
   assert streamed == {False: {2}, True: {1}}
   assert plans[True].step_time_s < plans[False].step_time_s
-  assert "host-share thread" in plans[True].table()
+  assert "host-share thread" in plans[True].table() and "host-share" in plans[True].summary()
   assert "host-share thread" not in plans[False].table()
   # None: $RKV_HOST_SHARE, read when the plan is made.
   monkeypatch.setenv("RKV_HOST_SHARE", "1")

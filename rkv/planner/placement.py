@@ -159,7 +159,8 @@ class Plan:
             f"{self.device_bytes / MIB:.1f} MiB of {self.budget_bytes / MIB:.1f} MiB budget, "
             f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
             f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
-            f"{self.profile.source or self.profile.device}")
+            f"{self.profile.source or self.profile.device}"
+            f"{'; CPU shares in the host-share thread' if self.host_share else ''}")
 
   def table_rows(self) -> tuple[list[str], list[list[str]], list[str]]:
     """``(columns, rows, totals)`` of :meth:`table`, as strings (``rkv.planner.plan_sharded``
