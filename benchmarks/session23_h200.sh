@@ -8,6 +8,8 @@
 # Expected, written before it ran: at 2M int8 the one-program forms (two programs a layer for the
 # device side) shorten the main thread by ~1 ms a layer where the link idles 1.4-1.9 ms: up to
 # +15% if the layer is the main thread's; the host share +0-10%; the rest within ±3%.
+# Session 23 ran parts h and h2 (H100s; benchmarks/results/beyond_hbm/session23/); no H200 could be
+# started in five tries and the device time ran out before h3, so a, a2, h3 and b are unrun.
 #   bash benchmarks/session23_h200.sh a   # the host share's split at 2M int8 (32K and 16K
 #                                         # tiles) and 1M; the 2M int8 sweep of the switches
 #   bash benchmarks/session23_h200.sh a2  # the B=8 x 128K sweep
