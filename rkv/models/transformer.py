@@ -510,7 +510,9 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # fused decode step (rkv.models.fused_decode) runs the same shares between its two programs.
 # Read at each step; off by default: exact on the CPU backend and the H200, no faster there
 # (session 19), where its layers' tiles were put after its kernel had started and their copies
-# waited for it; they are put before it now (session 20, unmeasured; docs/DESIGN.md §6).
+# waited for it; they are put before it now (session 20). On H100s (session 23) it ran 1.03-1.05x
+# at the plan's split, and 1.11-1.24x once plans give it the CPU share its lower fixed cost allows
+# (rkv.planner.Profile.for_host_share); unmeasured on the H200 (docs/DESIGN.md §6).
 HOST_SHARE_ENV = host_share.HOST_SHARE_ENV
 
 
