@@ -730,7 +730,9 @@ def _staged_device_part(q, q_pos, kv, tiles, static):
 def _merge_cpu(q, device, o_cpu, lse_cpu, *, merge=True):
   """The CPU partial (numpy float32, or pinned_host arrays) moved to q's device and merged with
   the device one (``merge=False``: the two partials, unmerged, as :class:`_Parts`)."""
-  dev = q.devices().pop() if isinstance(q, jax.Array) else None
+  # next(iter(...)), not pop(): a NamedSharding caches its device set, and popping it would
+  # empty the set every array of that sharding reports.
+  dev = next(iter(q.devices())) if isinstance(q, jax.Array) else None
   with jax.profiler.TraceAnnotation("rkv.cpu.merge"):
     if isinstance(o_cpu, jax.Array) or dev is None or dev == jax.devices()[0]:
       # pinned_host arrays of q's device (cpu_lib.pinned_outputs), which merge_all's program

@@ -64,6 +64,7 @@ def _decode(model, tokens, caches, fused, prefetch_tiles=0):
     str(x) for x in (c[0], c[1], c[2].get("cpu_fraction"), c[3]) if x is not None))
 def test_fused_decode_equals_general_path(case, monkeypatch):
   name, tactic, kw, kv_dtype = case
+  monkeypatch.setenv("RKV_HOST_SHARE", "0")  # both paths with the Python worker (counted below)
   model, tokens, base = _arch(name)
   general, general_caches = _decode(model, tokens, _caches(model, base, tactic, kw, kv_dtype),
                                     fused=False)

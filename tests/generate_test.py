@@ -377,6 +377,7 @@ def test_layered_forward_next_puts_equal_own_puts(monkeypatch, tactic):
     return real_attend(self, q, *a, **kw)
 
   monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
+  monkeypatch.setenv("RKV_HOST_SHARE", "0")  # next puts are the Python worker's path
   default = decode_with(tactic)
   assert not any(staged or hook for _, staged, hook in seen)
   seen.clear()
@@ -425,6 +426,7 @@ def test_layered_forward_host_share_equals_the_python_worker(monkeypatch, tactic
     return real_attend(self, q, *a, **kw)
 
   monkeypatch.setattr(cache_lib.RollingKV, "attend", spy)
+  monkeypatch.setenv("RKV_HOST_SHARE", "0")  # the Python worker, whatever the default
   default = decode_with(tactic)
   assert not any(c for _, c in seen)
   seen.clear()

@@ -243,7 +243,7 @@ def test_a_one_tile_tail_is_split_in_two_where_the_hybrid_then_models_faster():
   mc = rkv.models.ModelConfig.preset("llama3-8b")
   stats = dict(bytes_limit=int(121.08 * 2**30), bytes_in_use=0)
   from rkv.planner import H200_DEFAULT
-  h200 = dict(profile=H200_DEFAULT, check_free=False)
+  h200 = dict(profile=H200_DEFAULT, check_free=False, host_share=False)  # the worker's split
   b8 = rz.plan(mc, 1 << 17, 8, memory_stats=stats, residency=ResidencyConfig(**h200))
   check_invariants(b8)
   assert set(b8.tactics()) == {"hybrid"}

@@ -688,3 +688,25 @@ def test_early_put_all_puts_every_streamed_tile_so_one_program_applies(monkeypat
   monkeypatch.setenv("RKV_EARLY_PUT_ALL", "every")
   with pytest.raises(ValueError, match="RKV_EARLY_PUT_ALL"):
     fresh().attend(*args, impl="xla")
+
+
+@pytest.mark.parametrize("tactic", ["cpu", "hybrid"])
+def test_a_sharded_query_keeps_its_sharding_device_set(tactic):
+  # A query with a NamedSharding (what a sharded model hands each device): a NamedSharding caches
+  # its device set, and the CPU partial's merge once popped q's device out of it, so the next
+  # query of the same sharding reported no device (a KeyError inside the sharded bench).
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  k, v, fresh, q, new, (q, k_new, v_new, q_pos) = hybrid_decode_case(3, 40, capacity=64)
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("x",)), PartitionSpec())
+  q = jax.device_put(q, sharding)
+  outs = []
+  for _ in range(2):
+    kv = fresh().with_tactic(tactic, 0.4 if tactic == "hybrid" else None)
+    o, _ = rolling.rolling_attention(q, kv, q_pos=q_pos, tactic=tactic,
+                                     cpu_fraction=kv.cpu_fraction)
+    outs.append(np.asarray(o))
+    assert q.devices() == {jax.devices()[0]} and sharding.device_set == {jax.devices()[0]}
+  ref, _ = rkv.attention(q, k, v, q_pos=q_pos, impl="reference")
+  for o in outs:
+    np.testing.assert_allclose(o, np.asarray(ref), **dict(zip(("rtol", "atol"),
+                                                            TOLERANCES["float32"]["o"])))
