@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import time
+from unittest import mock
 
 from absl import app
 from absl import flags
@@ -96,8 +97,7 @@ def main(argv):
   cpu_lib._lib = lambda: clock  # this process's instrumentation only
 
   def step(kv, env):
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # the switches for this step only
       scope = (rolling.host_kernel_switch_interval([kv]) if "RKV_SWITCH_INTERVAL_US" in env
                else contextlib.nullcontext())
       with scope:
@@ -106,9 +106,6 @@ def main(argv):
                               impl="xla" if jax.default_backend() == "cpu" else "auto")
         jax.block_until_ready(parts)
         t1 = time.perf_counter()
-    finally:
-      for name in env:
-        os.environ.pop(name, None)
     if kv.room < 2:  # back to the fill the probe started from (a flush would change the split)
       kv = rkv.RollingKV.empty(b, capacity, k, d, window_cells=window, dtype=dtype,
                                tile_cells=tile).with_tactic("hybrid", _CPU_FRACTION.value)

@@ -110,7 +110,6 @@ rounds spread far less than separate runs)::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -123,6 +122,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -170,14 +170,14 @@ EMBEDDINGS = ("device", "host")
 # in turn: BenchConfig.sweep_env), spelled out like the names above (no rkv import here; the
 # tests compare them with the library's constants). Switches read once, when a forward is built
 # or at import (RKV_FUSED_DECODE, RKV_JOIN_LAYERS, RKV_PREFETCH_TILES, RKV_INT8_SCALE_DTYPE,
-# ...), need a process of their own. RKV_NEXT_PUTS is here, but the plan reserves its tiles only
+# ...), need a process of their own; so do the CPU kernel's threads and nice value
+# (RKV_CPU_TAIL_THREADS, RKV_CPU_KERNEL_NICE), which a host share reads only when it is set up. RKV_NEXT_PUTS is here, but the plan reserves its tiles only
 # when it is set for the whole process (rkv.planner.budget.derive_reserve): sweep it to 0 from
 # there, not to 1 from a plan made without it, on a lean reserve.
 STEP_SWITCHES = (
     "RKV_EARLY_PUTS", "RKV_EARLY_CPU", "RKV_EARLY_Q_COPY", "RKV_WORKER_FIRST", "RKV_EARLY_PUT_ALL",
     "RKV_TILES_ONE_PROGRAM", "RKV_SWITCH_INTERVAL_US", "RKV_NEXT_PUTS", "RKV_HOST_SHARE",
-    "RKV_DIRECT_PUTS", "RKV_CPU_OUT_PINNED", "RKV_CPU_TAIL_THREADS", "RKV_CPU_KERNEL_NICE",
-    "RKV_CPU_BUFFER_CACHE")
+    "RKV_DIRECT_PUTS", "RKV_CPU_OUT_PINNED", "RKV_CPU_BUFFER_CACHE")
 
 
 def check_env_entry(entry, where: str = "sweep_env") -> None:
@@ -216,21 +216,6 @@ def env_label(entry) -> str:
   """``"A=1+B=0"``: an entry as it is written on the command line."""
   return "+".join(f"{n}={v}" for n, v in entry)
 
-
-@contextlib.contextmanager
-def env_set(entry):
-  """Within: ``os.environ`` with ``entry``'s settings; every variable it touched is restored on
-  the way out (unset again where it was unset), also on an error."""
-  before = {n: os.environ.get(n) for n, _ in entry}
-  try:
-    os.environ.update(dict(entry))
-    yield
-  finally:
-    for n, v in before.items():
-      if v is None:
-        os.environ.pop(n, None)
-      else:
-        os.environ[n] = v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,7 +747,7 @@ def _offload_plan(cfg: BenchConfig, mc, context: int, memory_stats: Mapping | No
     info["free_device_gib"] = None if free is None else free / GIB
   info["tactics"] = {t: _tactics(p).count(t) for t in sorted(set(_tactics(p)))}
   # Split planned for CPU shares in the host-share thread ($RKV_HOST_SHARE, Plan.host_share).
-  info["plan_host_share"] = bool(getattr(p, "host_share", False))
+  info["plan_host_share"] = p.host_share
   info["device_kv_gib"] = p.device_bytes / GIB
   info["host_kv_gib"] = p.host_bytes / GIB
   info["modeled_step_s"] = p.step_time_s
@@ -920,7 +905,7 @@ def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, wha
       else:
         caches = with_cpu_tiles(caches, n_cpu)
       counts = split_counts(caches)
-      with env_set(env):
+      with mock.patch.dict(os.environ, dict(env)):  # restored after, also on an error
         times, _, caches = _decode_rkv(step, caches, position, cfg.offload_warmup,
                                        cfg.offload_steps, cfg.batch)
       position += cfg.offload_warmup + cfg.offload_steps

@@ -288,6 +288,12 @@ def test_the_host_share_plans_its_own_fixed_cost(monkeypatch):
   assert plans[True].step_time_s < plans[False].step_time_s
   assert "host-share thread" in plans[True].table() and "host-share" in plans[True].summary()
   assert "host-share thread" not in plans[False].table()
+  assert "279 us, not 2188" in plans[True].table()
+  unfit = dataclasses.replace(H200_DEFAULT, cpu_overhead_us=None)  # a profile without the fit
+  assert unfit.for_host_share() == unfit
+  table = rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(
+      host_share=True, **dict(half, profile=unfit))).table()
+  assert "fixed cost unmeasured" in table
   # None: $RKV_HOST_SHARE, read when the plan is made.
   monkeypatch.setenv("RKV_HOST_SHARE", "1")
   assert rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(**half)).host_share

@@ -204,8 +204,9 @@ class Plan:
         f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
         f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
         *([f"CPU shares in the host-share thread ($RKV_HOST_SHARE): a call's fixed cost "
-           f"{self.profile.for_host_share().cpu_overhead_us or 0:.0f} us, not "
-           f"{self.profile.cpu_overhead_us or 0:.0f}"] if self.host_share else []),
+           + (f"{self.profile.for_host_share().cpu_overhead_us:.0f} us, not "
+              f"{self.profile.cpu_overhead_us:.0f}" if self.profile.cpu_overhead_us is not None
+              else "unmeasured (the partial's copy is modeled)")] if self.host_share else []),
         fmt(cols), *(fmt(r) for r in rows), fmt(total),
         f"totals: device {mib(self.device_bytes)} MiB of {mib(self.budget_bytes)} MiB budget, "
         f"host {mib(self.host_bytes)} MiB; modeled step {us(step)} us "
