@@ -11,7 +11,8 @@
 # Session 23 ran parts h and h2 (H100s; benchmarks/results/beyond_hbm/session23/); no H200 could be
 # started in five tries and the device time ran out before h3, so a, a2, h3 and b are unrun.
 #   bash benchmarks/session23_h200.sh a   # the host share's split at 2M int8 (32K and 16K
-#                                         # tiles) and 1M; the 2M int8 sweep of the switches
+#                                         # tiles) and 1M
+#   bash benchmarks/session23_h200.sh a3  # the 2M int8 sweep of the other switches
 #   bash benchmarks/session23_h200.sh a2  # the B=8 x 128K sweep
 #   bash benchmarks/session23_h200.sh h   # part a's sweeps on an H100 (1M int8, 10 GiB tail;
 #                                         # 128K half), where no H200 comes
@@ -49,6 +50,10 @@ case "$PART" in
     T=150 share_split 1m_share_split 1,2 --budget=auto --contexts=1048576 --sweep_rounds=2
     T=170 share_split 2m_int8_share_t16k 5,6,7 --budget=auto --contexts=2097152 --kv_dtype=int8 \
       --tile_cells=16384 --sweep_rounds=2
+    ;;
+  a3)
+    # Part a's fourth step, cut from it in session 24 to keep one call inside ten minutes.
+    host
     T=170 run 2m_int8_sweep --configs=rkv_offload --budget=auto --contexts=2097152 \
       --kv_dtype=int8 --sweep_env=$SWEEP --sweep_rounds=2
     ;;
