@@ -36,6 +36,7 @@ import numpy as np
 
 from rkv import validation
 from rkv.offload import cpu_attention as cpu_lib
+from rkv.offload import cpu_build
 from rkv.offload import memory
 from rkv.offload import share_build
 
@@ -43,11 +44,35 @@ from rkv.offload import share_build
 # where and why); the planner then models a CPU share's fixed cost as this thread's
 # (rkv.planner.Profile.for_host_share). Read at each step and each plan.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
+# What an unset $RKV_HOST_SHARE means where the share can be built (share_available); where it
+# cannot, unset means off (the Python worker), and =1 fails with the build's error.
+DEFAULT_ON = False
+
+
+@functools.lru_cache(maxsize=None)
+def _available() -> tuple[bool, str]:
+  ok, why = cpu_build.kernel_available()
+  if not ok:
+    return False, why
+  if cpu_build.cached_build_problem(share_build.cached_path()) is None:
+    return True, ""
+  try:
+    share_build.find_compiler()
+  except cpu_build.CompilerNotFoundError as e:
+    return False, str(e)
+  return True, ""
+
+
+def share_available() -> tuple[bool, str]:
+  """``(True, "")`` if a share can run here: the CPU kernel can (``kernel_available``) and the
+  share's library is built and verified or a C++ compiler can build it; else ``(False, why)``.
+  Builds nothing; asked once a process (a compiler does not come and go mid-run)."""
+  return _available()
 
 
 def share_on() -> bool:
-  """``$RKV_HOST_SHARE``, read now (off when unset)."""
-  return validation.env_switch(HOST_SHARE_ENV, False)
+  """``$RKV_HOST_SHARE``, read now; unset: :data:`DEFAULT_ON` where :func:`share_available`."""
+  return validation.env_switch(HOST_SHARE_ENV, DEFAULT_ON and share_available()[0])
 
 START_TARGET = "rkv_share_start"
 WAIT_TARGET = "rkv_share_wait"

@@ -53,7 +53,7 @@ def build_key() -> str:
   return h.hexdigest()[:16]
 
 
-def _cached_path() -> str:
+def cached_path() -> str:
   return os.path.join(cpu_build.cache_dir(), f"rkv_host_share-{build_key()}.so")
 
 
@@ -79,7 +79,7 @@ def compile_library(out_path: str) -> str:
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
   """The loaded library (built on first use), its C entry points typed."""
-  path = _cached_path()
+  path = cached_path()
   if cpu_build.cached_build_problem(path) is not None:
     compile_library(path)
   lib = ctypes.CDLL(path)

@@ -1,0 +1,59 @@
+"""rkv.offload.host_share.share_on: what ``$RKV_HOST_SHARE`` unset, 0 and 1 mean, and where the
+share cannot be built (no CPU kernel, no C++ compiler) that unset falls back to the Python worker
+rather than failing a decode step. Builds nothing: the availability checks are patched."""
+
+import pytest
+
+from rkv.offload import cpu_build
+from rkv.offload import host_share
+from rkv.offload import share_build
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+  monkeypatch.delenv(host_share.HOST_SHARE_ENV, raising=False)
+  cached = host_share._available  # a test may patch it: clear the real one's cache
+  cached.cache_clear()
+  yield
+  cached.cache_clear()
+
+
+def _no_compiler():
+  raise cpu_build.CompilerNotFoundError("rkv host share: no C++ compiler")
+
+
+def test_unavailable_without_the_cpu_kernel(monkeypatch):
+  monkeypatch.setattr(cpu_build, "kernel_available", lambda: (False, "no C compiler found"))
+  assert host_share.share_available() == (False, "no C compiler found")
+
+
+def test_unavailable_without_a_build_or_a_compiler(monkeypatch, tmp_path):
+  monkeypatch.setattr(cpu_build, "kernel_available", lambda: (True, ""))
+  monkeypatch.setattr(share_build, "cached_path", lambda: str(tmp_path / "absent.so"))
+  monkeypatch.setattr(share_build, "find_compiler", _no_compiler)
+  ok, why = host_share.share_available()
+  assert not ok and "no C++ compiler" in why
+
+
+def test_available_with_a_compiler(monkeypatch, tmp_path):
+  monkeypatch.setattr(cpu_build, "kernel_available", lambda: (True, ""))
+  monkeypatch.setattr(share_build, "cached_path", lambda: str(tmp_path / "absent.so"))
+  monkeypatch.setattr(share_build, "find_compiler", lambda: "/usr/bin/c++")
+  assert host_share.share_available() == (True, "")
+
+
+@pytest.mark.parametrize("default_on", [False, True])
+@pytest.mark.parametrize("available", [False, True])
+def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, available):
+  monkeypatch.setattr(host_share, "DEFAULT_ON", default_on)
+  monkeypatch.setattr(host_share, "_available", lambda: (available, "" if available else "no"))
+  assert host_share.share_on() is (default_on and available)
+  # Set, the variable wins either way: =1 where the share cannot be built then fails with the
+  # build's own error when a share is made (no silent fallback from an explicit request).
+  monkeypatch.setenv(host_share.HOST_SHARE_ENV, "1")
+  assert host_share.share_on() is True
+  monkeypatch.setenv(host_share.HOST_SHARE_ENV, "0")
+  assert host_share.share_on() is False
+  monkeypatch.setenv(host_share.HOST_SHARE_ENV, "maybe")
+  with pytest.raises(ValueError, match="RKV_HOST_SHARE"):
+    host_share.share_on()
