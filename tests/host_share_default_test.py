@@ -44,10 +44,13 @@ def test_available_with_a_compiler(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("default_on", [False, True])
 @pytest.mark.parametrize("available", [False, True])
-def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, available):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, available,
+                                                      backend):
   monkeypatch.setattr(host_share, "DEFAULT_ON", default_on)
   monkeypatch.setattr(host_share, "_available", lambda: (available, "" if available else "no"))
-  assert host_share.share_on() is (default_on and available)
+  monkeypatch.setattr(host_share.jax, "default_backend", lambda: backend)
+  assert host_share.share_on() is (default_on and available and backend == "gpu")
   # Set, the variable wins either way: =1 where the share cannot be built then fails with the
   # build's own error when a share is made (no silent fallback from an explicit request).
   monkeypatch.setenv(host_share.HOST_SHARE_ENV, "1")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import weakref
 
 import jax
@@ -44,8 +45,11 @@ from rkv.offload import share_build
 # where and why); the planner then models a CPU share's fixed cost as this thread's
 # (rkv.planner.Profile.for_host_share). Read at each step and each plan.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
-# What an unset $RKV_HOST_SHARE means where the share can be built (share_available); where it
-# cannot, unset means off (the Python worker), and =1 fails with the build's error.
+# What an unset $RKV_HOST_SHARE means on a GPU backend where the share can be built
+# (share_available). Elsewhere unset means off, the Python worker: where the share cannot be
+# built (=1 there fails with the build's error), and on a CPU backend, where the query and the
+# partial cross no link and the share saves only the worker's handoff (the CPU-backend tests of
+# the share set =1 themselves).
 DEFAULT_ON = False
 
 
@@ -70,9 +74,17 @@ def share_available() -> tuple[bool, str]:
   return _available()
 
 
+def default_on() -> bool:
+  """What an unset ``$RKV_HOST_SHARE`` means here: :data:`DEFAULT_ON` on a GPU backend where
+  :func:`share_available`, else off."""
+  return DEFAULT_ON and jax.default_backend() == "gpu" and share_available()[0]
+
+
 def share_on() -> bool:
-  """``$RKV_HOST_SHARE``, read now; unset: :data:`DEFAULT_ON` where :func:`share_available`."""
-  return validation.env_switch(HOST_SHARE_ENV, DEFAULT_ON and share_available()[0])
+  """``$RKV_HOST_SHARE``, read now; unset: :func:`default_on`."""
+  if os.environ.get(HOST_SHARE_ENV, "").strip():
+    return validation.env_switch(HOST_SHARE_ENV, False)
+  return default_on()  # asks for the backend and the compiler only when unset
 
 START_TARGET = "rkv_share_start"
 WAIT_TARGET = "rkv_share_wait"
