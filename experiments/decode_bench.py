@@ -94,7 +94,11 @@ _SWEEP_ENV = flags.DEFINE_list("sweep_env", [], "rkv_offload rows: after the pla
                                 "switches (NAME=VALUE, several joined by '+'; "
                                 "lab.decode_bench.STEP_SWITCHES), alternating with the process's "
                                 "own settings (e.g. RKV_HOST_SHARE=1,RKV_EARLY_Q_COPY=1).")
-_ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles / --sweep_env.",
+_SPLIT_ENV = flags.DEFINE_list("split_env", [], "rkv_offload rows: a CPU-tile override under "
+                               "switch settings, N@NAME=VALUE[+NAME=VALUE...], in the same rounds "
+                               "(e.g. 1@RKV_HOST_SHARE=0: the Python worker at 1 CPU tile).")
+_ROUNDS = flags.DEFINE_integer("sweep_rounds", 2, "Rounds of --split_cpu_tiles / --sweep_env / "
+                               "--split_env.",
                                lower_bound=1)
 _EMBEDDING = flags.DEFINE_enum("embedding", "device", list(decode_bench.EMBEDDINGS),
                                "Where the rkv rows keep the input embedding table: the device, "
@@ -129,6 +133,7 @@ def main(argv):
       impl=_IMPL.value, schedule=_SCHEDULE.value, profile_path=_PROFILE.value,
       split_cpu_tiles=tuple(int(x) for x in _SPLIT.value),
       sweep_env=tuple(decode_bench.parse_env_entry(x) for x in _SWEEP_ENV.value),
+      split_env=tuple(decode_bench.parse_split_env(x) for x in _SPLIT_ENV.value),
       sweep_rounds=_ROUNDS.value,
       embedding=_EMBEDDING.value)
   decode_bench.main(cfg, _OUT.value, _PLOT.value or None, append=_APPEND.value)

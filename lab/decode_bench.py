@@ -212,6 +212,16 @@ def parse_env_entry(text: str) -> tuple[tuple[str, str], ...]:
   return entry
 
 
+def parse_split_env(text: str) -> tuple[int, tuple[tuple[str, str], ...]]:
+  """``"N@NAME=VALUE[+NAME=VALUE...]"`` (a ``--split_env`` item: N CPU tiles a hybrid layer
+  under those switches) -> ``(N, ((name, value), ...))``."""
+  n, at, env = text.partition("@")
+  if not at or not n.strip().isdigit():
+    raise ValueError(f"--split_env: {text!r}: each item is N@NAME=VALUE[+NAME=VALUE...] (N CPU "
+                     f"tiles a layer, e.g. 1@RKV_HOST_SHARE=0)")
+  return int(n), parse_env_entry(env)
+
+
 def env_label(entry) -> str:
   """``"A=1+B=0"``: an entry as it is written on the command line."""
   return "+".join(f"{n}={v}" for n, v in entry)
@@ -263,6 +273,10 @@ class BenchConfig:
   # rounds as split_cpu_tiles: an A/B of switches on one fill in one process (separate
   # processes on one machine spread by ±8% at 2M int8: README, session 22).
   sweep_env: tuple[tuple[tuple[str, str], ...], ...] = ()
+  # rkv_offload rows: a CPU-tile override and switch settings together, ``(n_cpu, entry)``, in
+  # the same rounds: e.g. another default's split and path (the Python worker at its own plan's
+  # split) beside this process's plan.
+  split_env: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()
   sweep_rounds: int = 2
   embedding: str = "device"  # EMBEDDINGS
 
@@ -306,6 +320,13 @@ class BenchConfig:
                        f"{self.embedding!r}")
     for entry in self.sweep_env:
       check_env_entry(entry, where)
+    for item in self.split_env:
+      ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int) and (
+          not isinstance(item[0], bool)) and item[0] >= 0
+      if not ok:
+        raise ValueError(f"{where}: each split_env item must be (CPU tiles >= 0, settings), got "
+                         f"{item!r}")
+      check_env_entry(item[1], where)
     if not isinstance(self.sweep_rounds, int) or self.sweep_rounds < 1:
       raise ValueError(f"{where}: sweep_rounds must be a positive int, got {self.sweep_rounds!r}")
     if any(int(c) <= self.decode_steps for c in self.contexts):
@@ -328,9 +349,9 @@ class BenchConfig:
   def sweep_steps(self) -> int:
     """Cells the sweep's decode steps write (each split and env entry and the plan as it is,
     every round)."""
-    if not (self.split_cpu_tiles or self.sweep_env):
+    if not (self.split_cpu_tiles or self.sweep_env or self.split_env):
       return 0
-    entries = len(self.split_cpu_tiles) + len(self.sweep_env) + 1
+    entries = len(self.split_cpu_tiles) + len(self.sweep_env) + len(self.split_env) + 1
     return self.sweep_rounds * entries * (self.offload_warmup + self.offload_steps)
 
   @property
@@ -893,7 +914,7 @@ def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, wha
   planned = tuple((c.tactic, c.cpu_fraction) if hasattr(c, "cpu_fraction") else None
                   for c in caches)
   variants = ([(None, ())] + [(n, ()) for n in cfg.split_cpu_tiles]
-              + [(None, e) for e in cfg.sweep_env])
+              + [(None, e) for e in cfg.sweep_env] + list(cfg.split_env))
   entries = []
   for r in range(cfg.sweep_rounds):
     # Odd rounds run the variants in reverse, so a drift over the run (the host warming, the
@@ -918,10 +939,11 @@ def split_sweep(step, caches, position: int, cfg: BenchConfig, *, log=print, wha
 
 
 def variant_label(entry: Mapping) -> str:
-  """A sweep entry's variant: ``"planned"``, ``"cpu_tiles=N"`` or its env settings."""
-  if entry.get("env"):
-    return env_label(tuple(entry["env"].items()))
-  return "planned" if entry["cpu_tiles"] == "planned" else f"cpu_tiles={entry['cpu_tiles']}"
+  """A sweep entry's variant: ``"planned"``, ``"cpu_tiles=N"``, its env settings, or both
+  (``"cpu_tiles=N+NAME=VALUE"``)."""
+  split = None if entry["cpu_tiles"] == "planned" else f"cpu_tiles={entry['cpu_tiles']}"
+  env = env_label(tuple(entry["env"].items())) if entry.get("env") else None
+  return "+".join(x for x in (split, env) if x) or "planned"
 
 
 def sweep_medians(entries) -> dict[str, dict[str, float]]:
@@ -997,7 +1019,7 @@ def _fill_row(cfg: BenchConfig, mc, model, forward, name: str, ctx: int, row: di
   # tokens): what the host costs between steps when nothing is queued behind the device.
   sync, sync_dispatch, caches = _decode_rkv(step, caches, fill + warmup + steps, 0, steps,
                                             cfg.batch, pipelined=False)
-  if name == "rkv_offload" and (cfg.split_cpu_tiles or cfg.sweep_env):
+  if name == "rkv_offload" and (cfg.split_cpu_tiles or cfg.sweep_env or cfg.split_env):
     row["split_sweep"], caches = split_sweep(step, caches, fill + warmup + 2 * steps, cfg,
                                              log=log, what=what)
     row["sweep_medians"] = sweep_medians(row["split_sweep"])

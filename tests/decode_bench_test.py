@@ -431,6 +431,15 @@ def test_env_entries_parse_and_refuse_what_a_sweep_cannot_switch():
     decode_bench.BenchConfig(sweep_env=(("RKV_PREFETCH_TILES", "8"),), **TINY)
   with pytest.raises(ValueError, match="sweep_env"):
     decode_bench.BenchConfig(sweep_env=((("RKV_PREFETCH_TILES", "8"),),), **TINY)
+  assert decode_bench.parse_split_env("2@RKV_HOST_SHARE=0") == (2, (("RKV_HOST_SHARE", "0"),))
+  for bad, match in (("RKV_HOST_SHARE=0", "N@NAME"), ("x@RKV_HOST_SHARE=0", "N@NAME"),
+                     ("-1@RKV_HOST_SHARE=0", "N@NAME"), ("1@RKV_FUSED_DECODE=1", "not switches")):
+    with pytest.raises(ValueError, match=match):
+      decode_bench.parse_split_env(bad)
+  with pytest.raises(ValueError, match="split_env"):
+    decode_bench.BenchConfig(split_env=((-1, (("RKV_HOST_SHARE", "0"),)),), **TINY)
+  with pytest.raises(ValueError, match="not switches"):
+    decode_bench.BenchConfig(split_env=((1, (("RKV_FUSED_DECODE", "1"),)),), **TINY)
 
 
 def test_env_sweep_times_each_setting_on_the_same_caches(monkeypatch):
@@ -445,9 +454,10 @@ def test_env_sweep_times_each_setting_on_the_same_caches(monkeypatch):
   monkeypatch.delenv("RKV_HOST_SHARE", raising=False)
   monkeypatch.delenv("RKV_EARLY_Q_COPY", raising=False)
   env = (("RKV_HOST_SHARE", "1"),), (("RKV_EARLY_Q_COPY", "1"), ("RKV_EARLY_CPU", "0"))
+  split_env = ((1, (("RKV_EARLY_CPU", "0"),)),)
   cfg = decode_bench.BenchConfig(configs=("rkv_offload",), sweep_env=env, sweep_rounds=2,
-                                 split_cpu_tiles=(0,), **TINY)
-  assert cfg.sweep_steps == 2 * 4 * (1 + 2)
+                                 split_cpu_tiles=(0,), split_env=split_env, **TINY)
+  assert cfg.sweep_steps == 2 * 5 * (1 + 2)
   mc = decode_bench.model_config(cfg)
   plan, _ = decode_bench._offload_plan(cfg, mc, 512)
   plan = gen.force_tactic(plan, "hybrid", window_cells=128, tile_cells=96)
@@ -464,18 +474,22 @@ def test_env_sweep_times_each_setting_on_the_same_caches(monkeypatch):
   monkeypatch.setattr(decode_bench, "_decode_rkv", spy)
   position = caches[0].fill
   entries, caches = decode_bench.split_sweep(step, caches, position, cfg, log=lambda m: None)
-  labels = ["planned", "cpu_tiles=0", "RKV_HOST_SHARE=1", "RKV_EARLY_Q_COPY=1+RKV_EARLY_CPU=0"]
+  labels = ["planned", "cpu_tiles=0", "RKV_HOST_SHARE=1", "RKV_EARLY_Q_COPY=1+RKV_EARLY_CPU=0",
+            "cpu_tiles=1+RKV_EARLY_CPU=0"]
   # Round 1 runs them in reverse (a drift over the run favours none).
   assert [decode_bench.variant_label(e) for e in entries] == labels + labels[::-1]
-  assert [e["round"] for e in entries] == [0] * 4 + [1] * 4
+  assert [e["round"] for e in entries] == [0] * 5 + [1] * 5
   none = dict(RKV_HOST_SHARE=None, RKV_EARLY_Q_COPY=None, RKV_EARLY_CPU=None)
   envs = [none, none, dict(none, RKV_HOST_SHARE="1"),
-          dict(none, RKV_EARLY_Q_COPY="1", RKV_EARLY_CPU="0")]
+          dict(none, RKV_EARLY_Q_COPY="1", RKV_EARLY_CPU="0"), dict(none, RKV_EARLY_CPU="0")]
   assert seen == envs + envs[::-1]
+  # The split_env item ran its split (3 full tiles a layer here: 1 on the CPU, 2 streamed).
+  assert {k: v for e in entries if e["cpu_tiles"] == 1 for k, v in e["streamed_of"].items()} == (
+      {"2/3": mc.num_layers})
   assert "RKV_HOST_SHARE" not in os.environ and "RKV_EARLY_Q_COPY" not in os.environ
   # The share ran its layers while its entry was set (the forward records the layers it served).
   assert len(step.fn.host_shares) > 0
-  assert caches[0].fill == position + 2 * 4 * 3
+  assert caches[0].fill == position + 2 * 5 * 3
   medians = decode_bench.sweep_medians(entries)
   assert list(medians) == labels
   assert all(m["rounds"] == 2 and m["tokens_per_s"] > 0 for m in medians.values())
