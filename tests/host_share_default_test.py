@@ -1,6 +1,9 @@
 """rkv.offload.host_share.share_on: what ``$RKV_HOST_SHARE`` unset, 0 and 1 mean, and where the
 share cannot be built (no CPU kernel, no C++ compiler) that unset falls back to the Python worker
-rather than failing a decode step. Builds nothing: the availability checks are patched."""
+rather than failing a decode step, with a warning. Builds nothing: the availability checks and
+the build are patched."""
+
+import warnings
 
 import pytest
 
@@ -12,10 +15,12 @@ from rkv.offload import share_build
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
   monkeypatch.delenv(host_share.HOST_SHARE_ENV, raising=False)
-  cached = host_share._available  # a test may patch it: clear the real one's cache
-  cached.cache_clear()
+  cached = host_share._available, host_share._loads  # a test may patch them: clear the real ones
+  for f in cached:
+    f.cache_clear()
   yield
-  cached.cache_clear()
+  for f in cached:
+    f.cache_clear()
 
 
 def _no_compiler():
@@ -50,7 +55,13 @@ def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, a
   monkeypatch.setattr(host_share, "DEFAULT_ON", default_on)
   monkeypatch.setattr(host_share, "_available", lambda: (available, "" if available else "no"))
   monkeypatch.setattr(host_share.jax, "default_backend", lambda: backend)
-  assert host_share.share_on() is (default_on and available and backend == "gpu")
+  monkeypatch.setattr(host_share, "_registered", lambda: None)
+  expected = default_on and available and backend == "gpu"
+  if default_on and backend == "gpu" and not available:
+    with pytest.warns(UserWarning, match="Python worker"):
+      assert host_share.share_on() is False
+  else:
+    assert host_share.share_on() is expected
   # Set, the variable wins either way: =1 where the share cannot be built then fails with the
   # build's own error when a share is made (no silent fallback from an explicit request).
   monkeypatch.setenv(host_share.HOST_SHARE_ENV, "1")
@@ -60,3 +71,34 @@ def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, a
   monkeypatch.setenv(host_share.HOST_SHARE_ENV, "maybe")
   with pytest.raises(ValueError, match="RKV_HOST_SHARE"):
     host_share.share_on()
+
+
+def test_the_shipped_default_is_on_for_gpus_only(monkeypatch):
+  # The Python worker stays the default of a CPU backend (this suite's); a GPU backend where the
+  # share builds takes it (session 24's H100 runs, host_share.DEFAULT_ON).
+  assert host_share.DEFAULT_ON is True
+  monkeypatch.setattr(host_share, "_available", lambda: (True, ""))
+  monkeypatch.setattr(host_share, "_registered", lambda: None)
+  monkeypatch.setattr(host_share.jax, "default_backend", lambda: "cpu")
+  assert host_share.share_on() is False
+  monkeypatch.setattr(host_share.jax, "default_backend", lambda: "gpu")
+  assert host_share.share_on() is True
+
+
+def test_a_share_that_fails_to_build_falls_back_to_the_worker_with_a_warning(monkeypatch):
+  monkeypatch.setattr(host_share, "_available", lambda: (True, ""))
+  monkeypatch.setattr(host_share.jax, "default_backend", lambda: "gpu")
+
+  def broken():
+    raise RuntimeError("rkv host share: compiling failed (c++ ...)")
+
+  monkeypatch.setattr(host_share, "_registered", broken)
+  with pytest.warns(UserWarning, match="compiling failed.*Python worker"):
+    assert host_share.share_on() is False
+  # Asked once a process: the next step neither builds again nor warns again.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert host_share.share_on() is False
+  # Asked for by name, the share is on and fails where it is made, with the build's error.
+  monkeypatch.setenv(host_share.HOST_SHARE_ENV, "1")
+  assert host_share.share_on() is True

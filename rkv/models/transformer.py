@@ -497,7 +497,8 @@ JOIN_ENV = "RKV_JOIN_LAYERS"
 # form (the puts right after the merge) was slower at 1M, where the link was busy
 # (docs/DESIGN.md §7). Read at each step; off by default until measured on the H200.
 NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
-# $RKV_HOST_SHARE=1 (experimental): a hybrid / cpu layer's CPU share, where
+# $RKV_HOST_SHARE (on a GPU backend by default, rkv.offload.host_share.default_on): a hybrid /
+# cpu layer's CPU share, where
 # rkv.rolling.external_share_applies, runs in a C++ thread of rkv.offload.host_share instead of
 # the Python worker: started by the share's start program, dispatched right after the program
 # that makes the layer's query (its join, or its pre_attention), and awaited by its wait program
@@ -508,11 +509,11 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # join is one program for every layer of a structure now), tens of seconds at Llama-3-8B's size;
 # the share's own programs are tiny. A step whose append fills a tile takes the Python path. The
 # fused decode step (rkv.models.fused_decode) runs the same shares between its two programs.
-# Read at each step; off by default: exact on the CPU backend and the H200, no faster there
-# (session 19), where its layers' tiles were put after its kernel had started and their copies
-# waited for it; they are put before it now (session 20). On H100s (session 23) it ran 1.03-1.05x
-# at the plan's split, and 1.11-1.24x once plans give it the CPU share its lower fixed cost allows
-# (rkv.planner.Profile.for_host_share); unmeasured on the H200 (docs/DESIGN.md §6).
+# Read at each step. Exact on the CPU backend and the H200; no faster there in session 19,
+# when its layers' tiles were put after its kernel had started and their copies waited for it;
+# they are put before it since session 20. On H100s it ran 1.03-1.05x at the Python worker's
+# split (session 23) and 1.11-1.48x once plans give it the CPU share its lower fixed cost allows
+# (rkv.planner.Profile.for_host_share; sessions 23-24, docs/DESIGN.md §6), hence the default.
 HOST_SHARE_ENV = host_share.HOST_SHARE_ENV
 
 

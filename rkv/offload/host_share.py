@@ -1,9 +1,10 @@
 """A layer's CPU share run by a C++ thread, started and awaited inside jitted programs.
 
-Experimental and off (session 18; exact on the CPU backend and, session 19, on the H200, where it
-was no faster than the Python worker: its layers' tiles, put after its kernel had started, waited
-for it to end; ``layered_forward`` puts them before it since session 20, unmeasured:
-docs/DESIGN.md §6). The Python path of a
+The default on a GPU backend since session 24 (:func:`default_on`; ``$RKV_HOST_SHARE=0`` for
+the Python worker): exact on the CPU backend and the H200 (session 19); with its tiles put
+before its kernel starts (session 20) and plans made with its fixed cost
+(``rkv.planner.Profile.for_host_share``), 1.23-1.48x the Python worker's plans on H100s
+(docs/DESIGN.md §6). The Python path of a
 hybrid layer (``rkv.rolling``) runs the CPU kernel in a Python worker thread that must take the
 GIL to start, to bring the query down and to set the kernel up: ~2 ms of a 5.5 ms layer at 2M
 int8 on the H200 before the kernel ran (docs/DESIGN.md §6, "the layer chain"). A
@@ -29,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import warnings
 import weakref
 
 import jax
@@ -45,12 +47,15 @@ from rkv.offload import share_build
 # where and why); the planner then models a CPU share's fixed cost as this thread's
 # (rkv.planner.Profile.for_host_share). Read at each step and each plan.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
-# What an unset $RKV_HOST_SHARE means on a GPU backend where the share can be built
-# (share_available). Elsewhere unset means off, the Python worker: where the share cannot be
-# built (=1 there fails with the build's error), and on a CPU backend, where the query and the
-# partial cross no link and the share saves only the worker's handoff (the CPU-backend tests of
-# the share set =1 themselves).
-DEFAULT_ON = False
+# What an unset $RKV_HOST_SHARE means on a GPU backend where the share can be built and loaded
+# (default_on). Elsewhere unset means off, the Python worker: where the share cannot be built
+# (=1 there fails with the build's error; unset warns once and takes the worker), and on a CPU
+# backend, where the query and the partial cross no link and the share saves only the worker's
+# handoff (the CPU-backend tests of the share set =1 themselves). On since session 24: on two
+# H100 hosts, in one process each, the share with its own plans ran 1M int8 at 8.13 tok/s
+# against 6.63 at the worker's split and 128K half at 13.31 against 8.97
+# (benchmarks/results/beyond_hbm/session24/h100_h3).
+DEFAULT_ON = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,10 +79,26 @@ def share_available() -> tuple[bool, str]:
   return _available()
 
 
+@functools.lru_cache(maxsize=None)
+def _loads() -> bool:
+  """Whether the share's library is built (now, if it was not) and registered; where it is not,
+  a warning says why, once a process, and False."""
+  ok, why = share_available()
+  if ok:
+    try:
+      _registered()
+    except Exception as e:  # a broken compiler or library: the worker, not a failed decode step
+      ok, why = False, f"{type(e).__name__}: {e}"
+  if not ok:
+    warnings.warn(f"rkv host share: cannot run here ({why}); CPU shares run in the Python worker "
+                  f"(set {HOST_SHARE_ENV}=0 to choose it and silence this)", stacklevel=3)
+  return ok
+
+
 def default_on() -> bool:
-  """What an unset ``$RKV_HOST_SHARE`` means here: :data:`DEFAULT_ON` on a GPU backend where
-  :func:`share_available`, else off."""
-  return DEFAULT_ON and jax.default_backend() == "gpu" and share_available()[0]
+  """What an unset ``$RKV_HOST_SHARE`` means here: :data:`DEFAULT_ON` on a GPU backend where the
+  share builds and loads (:func:`share_available`, then the build), else off."""
+  return DEFAULT_ON and jax.default_backend() == "gpu" and _loads()
 
 
 def share_on() -> bool:
