@@ -286,7 +286,8 @@ def test_the_host_share_plans_its_own_fixed_cost(monkeypatch):
                       for lp in plan.layers} for share, plan in plans.items()}
   assert streamed == {False: {2}, True: {1}}
   assert plans[True].step_time_s < plans[False].step_time_s
-  assert "host-share thread" in plans[True].table() and "host-share" in plans[True].summary()
+  assert "host-share thread estimate" in plans[True].table()
+  assert "host-share thread estimate" in plans[True].summary()
   assert "host-share thread" not in plans[False].table()
   assert "279 us, not 2188" in plans[True].table()
   unfit = dataclasses.replace(H200_DEFAULT, cpu_overhead_us=None)  # a profile without the fit
@@ -294,7 +295,13 @@ def test_the_host_share_plans_its_own_fixed_cost(monkeypatch):
   table = rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(
       host_share=True, **dict(half, profile=unfit))).table()
   assert "fixed cost unmeasured" in table
-  # None: $RKV_HOST_SHARE, read when the plan is made.
+  # None: $RKV_HOST_SHARE=1 set by name, read when the plan is made; unset (the default share
+  # on a GPU) plans with the profile's fitted cost.
+  monkeypatch.delenv("RKV_HOST_SHARE", raising=False)
+  from rkv.offload import host_share
+  monkeypatch.setattr(host_share, "default_on", lambda: True)
+  assert host_share.share_on()
+  assert not rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(**half)).host_share
   monkeypatch.setenv("RKV_HOST_SHARE", "1")
   assert rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(**half)).host_share
   monkeypatch.setenv("RKV_HOST_SHARE", "0")

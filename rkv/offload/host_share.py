@@ -101,6 +101,14 @@ def default_on() -> bool:
   return DEFAULT_ON and jax.default_backend() == "gpu" and _loads()
 
 
+def share_requested() -> bool:
+  """Whether ``$RKV_HOST_SHARE`` is set on by name (read now): the planner then plans the CPU
+  shares with the share's estimated fixed cost (``rkv.planner.ResidencyConfig.host_share``). The
+  default share (unset) keeps the profile's fitted cost: on the H200 the splits that estimate
+  moved toward the CPU ran slower (session 24, docs/DESIGN.md §6)."""
+  return validation.env_switch(HOST_SHARE_ENV, False)
+
+
 def share_on() -> bool:
   """``$RKV_HOST_SHARE``, read now; unset: :func:`default_on`."""
   if os.environ.get(HOST_SHARE_ENV, "").strip():

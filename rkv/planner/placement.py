@@ -113,8 +113,8 @@ class Plan:
   budget_source: str = ""
   reserve: Reserve | None = None
   free_bytes: int | None = None
-  # Planned for CPU shares in rkv.offload.host_share's thread (ResidencyConfig.host_share): the
-  # cpu / hybrid times use Profile.for_host_share's fixed cost.
+  # Planned with the host share's estimated fixed cost (ResidencyConfig.host_share): the cpu /
+  # hybrid times use Profile.for_host_share's.
   host_share: bool = False
 
   @property
@@ -160,7 +160,7 @@ class Plan:
             f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
             f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
             f"{self.profile.source or self.profile.device}"
-            f"{'; CPU shares in the host-share thread' if self.host_share else ''}")
+            f"{'; CPU shares planned at the host-share thread estimate' * self.host_share}")
 
   def table_rows(self) -> tuple[list[str], list[list[str]], list[str]]:
     """``(columns, rows, totals)`` of :meth:`table`, as strings (``rkv.planner.plan_sharded``
@@ -203,7 +203,8 @@ class Plan:
         f"{'' if self.reserve is None else f' ({self.reserve.describe()})'}"
         f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
         f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
-        *([f"CPU shares in the host-share thread ($RKV_HOST_SHARE): a call's fixed cost "
+        *([f"CPU shares planned at the host-share thread estimate ($RKV_HOST_SHARE=1): a "
+           f"call's fixed cost "
            + (f"{self.profile.for_host_share().cpu_overhead_us:.0f} us, not "
               f"{self.profile.cpu_overhead_us:.0f}" if self.profile.cpu_overhead_us is not None
               else "unmeasured (the partial's copy is modeled)")] if self.host_share else []),
@@ -331,8 +332,9 @@ def plan(model_config, context_len: int, batch: int = 1, *,
   # The model's figures for this cache's dtype (an int8 tail is attended on the CPU at its own
   # rate: Profile.for_kv_dtype); the plan keeps the profile as resolved.
   kv_profile = profile.for_kv_dtype(shape.kv_dtype)
-  # A CPU share in the C++ thread pays two stream-ordered copies a call, not the Python worker's
-  # chain (Profile.for_host_share), so its split moves toward the CPU.
+  # Asked for (ResidencyConfig.host_share): a CPU share in the C++ thread modeled as paying two
+  # stream-ordered copies a call, not the fitted chain (Profile.for_host_share), so its split
+  # moves toward the CPU. Not the default: on the H200 those splits ran slower (session 24).
   host_share = cfg.host_share_on()
   if host_share:
     kv_profile = kv_profile.for_host_share()
