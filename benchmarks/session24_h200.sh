@@ -43,7 +43,7 @@ case "$PART" in
     T=150 run half512 --configs=rkv_offload --budget=fraction --contexts=524288 \
       --sweep_env=$W0 --sweep_rounds=2
     echo "== pytest -m gpu $(date +%T)"
-    timeout 150 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    timeout 170 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
     tail -3 $D/pytest_gpu.txt; pack
     ;;
 esac
