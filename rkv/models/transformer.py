@@ -511,9 +511,9 @@ NEXT_PUTS_ENV = stream_lib.NEXT_PUTS_ENV
 # fused decode step (rkv.models.fused_decode) runs the same shares between its two programs.
 # Read at each step. Exact on the CPU backend and the H200; no faster there in session 19,
 # when its layers' tiles were put after its kernel had started and their copies waited for it;
-# they are put before it since session 20. On H100s it ran 1.03-1.05x at the Python worker's
-# split (session 23) and 1.11-1.48x once plans give it the CPU share its lower fixed cost allows
-# (rkv.planner.Profile.for_host_share; sessions 23-24, docs/DESIGN.md §6), hence the default.
+# they are put before it since session 20. At the Python worker's split it ran ahead of the
+# worker on H100s (1.03-1.05x, session 23) and on the H200 (2M int8 1.39x, 1M 1.04x, session
+# 24), hence the default; plans keep the profile's fitted cost (docs/DESIGN.md §6).
 HOST_SHARE_ENV = host_share.HOST_SHARE_ENV
 
 

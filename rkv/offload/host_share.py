@@ -2,8 +2,9 @@
 
 The default on a GPU backend since session 24 (:func:`default_on`; ``$RKV_HOST_SHARE=0`` for
 the Python worker): exact on the CPU backend and the H200 (session 19); with its tiles put
-before its kernel starts (session 20) and plans made with its fixed cost
-(``rkv.planner.Profile.for_host_share``), 1.23-1.48x the Python worker's plans on H100s
+before its kernel starts (session 20), ahead of the worker at the same split on the H200 (2M
+int8 x1.39, 1M x1.04) and on H100s; at the plans the profile's fitted cost makes, since the
+splits its own estimated cost planned ran slower on the H200
 (docs/DESIGN.md §6). The Python path of a
 hybrid layer (``rkv.rolling``) runs the CPU kernel in a Python worker thread that must take the
 GIL to start, to bring the query down and to set the kernel up: ~2 ms of a 5.5 ms layer at 2M
@@ -51,10 +52,9 @@ HOST_SHARE_ENV = "RKV_HOST_SHARE"
 # (default_on). Elsewhere unset means off, the Python worker: where the share cannot be built
 # (=1 there fails with the build's error; unset warns once and takes the worker), and on a CPU
 # backend, where the query and the partial cross no link and the share saves only the worker's
-# handoff (the CPU-backend tests of the share set =1 themselves). On since session 24: on two
-# H100 hosts, in one process each, the share with its own plans ran 1M int8 at 8.13 tok/s
-# against 6.63 at the worker's split and 128K half at 13.31 against 8.97
-# (benchmarks/results/beyond_hbm/session24/h100_h3).
+# handoff (the CPU-backend tests of the share set =1 themselves). On since session 24: at the
+# same split the share ran ahead of the worker on the H200 (2M int8 6.79 against 4.87 tok/s, 1M
+# 9.00 against 8.63) and on H100s (benchmarks/results/beyond_hbm/session24/).
 DEFAULT_ON = True
 
 

@@ -154,11 +154,12 @@ class Profile:
     ``cpu_overhead_us`` becomes two small stream-ordered copies, ``2 x copy_latency_us`` (the query
     down, the partial up), where the probe fitted it through the Python worker's path (its start,
     the query's copy through PJRT's threads, its setup and the join's wait: 2188 us on the H200).
-    An estimate, not a probed figure (the probe does not run the share yet); what it plans was the
-    fastest split measured (docs/DESIGN.md §6, session 23: on an H100, 1M int8 with the share ran
-    3-4 of 7 tiles on the CPU at 7.95 tok/s against 6.74 at the worker's split of 2, and 128K
-    half 2 of 3 at 9.47 against 9.15). Never raises the fixed cost; unchanged without a
-    ``cpu_overhead_us`` (the model then adds the partial's copy itself)."""
+    An estimate, not a probed figure (the probe does not run the share yet), used only when
+    asked for (``ResidencyConfig.host_share``): what it planned was the fastest split on H100s
+    (sessions 23-24: 1M int8 8.13 tok/s at 3 of 7 CPU tiles against 6.63 at the worker's 2) and
+    slower on the H200 (128K half 6.85 at 2 of 3 against 7.87 at 1; docs/DESIGN.md §6). Never
+    raises the fixed cost; unchanged without a ``cpu_overhead_us`` (the model then adds the
+    partial's copy itself)."""
     if self.cpu_overhead_us is None:
       return self
     return dataclasses.replace(
