@@ -33,18 +33,19 @@ case "$PART" in
       --split_env=2@RKV_HOST_SHARE=1 --sweep_env=RKV_HOST_SHARE=1 --sweep_rounds=2)
     ;;
   b)
+    # In order of need, each packed as it ends (a call cut short keeps the steps before).
     host
-    T=100 run half128 --configs=rkv_offload --budget=fraction --contexts=131072 \
-      --split_cpu_tiles=2 --sweep_env=$W0 --sweep_rounds=3
     T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --split_cpu_tiles=2 \
       --sweep_env=$W0 --sweep_rounds=2
+    T=100 run half128 --configs=rkv_offload --budget=fraction --contexts=131072 \
+      --split_cpu_tiles=2 --sweep_env=$W0 --sweep_rounds=3
     T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
-      --sweep_env=$W0 --sweep_rounds=2
-    T=150 run half512 --configs=rkv_offload --budget=fraction --contexts=524288 \
       --sweep_env=$W0 --sweep_rounds=2
     echo "== pytest -m gpu $(date +%T)"
     timeout 170 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
     tail -3 $D/pytest_gpu.txt; pack
+    T=150 run half512 --configs=rkv_offload --budget=fraction --contexts=524288 \
+      --sweep_env=$W0 --sweep_rounds=2
     ;;
 esac
 echo "== done $(date +%T)"
