@@ -24,6 +24,12 @@ What is measured (each figure can be overridden; ``experiments/probe.py`` is the
   (median) minus its fixed cost (``transfer_overhead_us``; the branch's) gives its rate under
   contention. The hybrid tactic's whole step at that split, each side alone, and the model's
   time for the step go to ``details`` (:func:`format_checks` prints them).
+- ``share_overhead_us`` (:func:`measure_host_share`): a CPU share run by
+  ``rkv.offload.host_share``'s C++ thread over the first ``tail_tiles[i]`` tiles of the same
+  cache, its start and wait programs timed to the partial (median); the line ``time = overhead +
+  bytes / rate`` through the medians gives the share's fixed cost a call (its rate stays in
+  ``details["host_share"]``: the kernel is the cpu tactic's). Where the share cannot be built or
+  run, ``None`` and the reason in ``details["host_share"]``.
 - ``cpu_int8_share``: the kernel alone over the same cells in int8 (with scales), its bytes/s
   over the float dtype's (the kernel's cost is per cell: ``Profile.for_kv_dtype``).
 - ``host_read_gbps`` and the kernel alone over numpy memory (the fallback for
@@ -67,8 +73,8 @@ from rkv.planner import FIGURES, GB, MIB, H200_DEFAULT, Profile, default_profile
 
 __all__ = ["FIGURES", "ProbeConfig", "Profile", "H200_DEFAULT", "default_profile_path",
            "fit_cost", "fit_line", "measure_contention", "measure_copy_latency_us",
-           "measure_cpu", "measure_cpu_tail", "measure_device_attention", "measure_transfer",
-           "run_probe", "format_checks"]
+           "measure_cpu", "measure_cpu_tail", "measure_device_attention", "measure_host_share",
+           "measure_transfer", "run_probe", "format_checks"]
 
 CPU_ATTENTION_MODULE = "rkv.offload.cpu_attention"
 
@@ -82,6 +88,8 @@ class ProbeConfig:
   of that timing and of the probe's RollingKV. ``tail_tiles``: tail sizes (in tiles, at least two
   distinct) of the cpu path's fit. ``contention_tiles``: tiles of the contention step (0: not
   measured; else at least 2). ``cpu_threads``: the kernel's threads (None: the tactics' default).
+  ``host_share``: also time rkv.offload.host_share's CPU share over the ``tail_tiles`` sizes
+  (``share_overhead_us``; only with ``cpu``).
   """
 
   transfer_mib: tuple[float, ...] = (64, 256, 1024)
@@ -101,6 +109,7 @@ class ProbeConfig:
   tail_tiles: tuple[int, ...] = (2, 8, 16)
   contention_tiles: int = 16
   cpu_threads: int | None = None
+  host_share: bool = True
   host_read_mib: float = 1024
   warmup: int = 2
   repeats: int = 7
@@ -133,6 +142,8 @@ class ProbeConfig:
                                          or self.cpu_threads < 1):
       raise ValueError(f"{where}: cpu_threads must be None or a positive int, got "
                        f"{self.cpu_threads!r}")
+    if not isinstance(self.host_share, (bool, np.bool_)):
+      raise ValueError(f"{where}: host_share must be a bool, got {self.host_share!r}")
     unknown = set(self.overrides) - set(FIGURES)
     if unknown:
       raise ValueError(f"{where}: overrides names unknown figures {sorted(unknown)}; known: "
@@ -426,6 +437,53 @@ def measure_cpu_tail(cfg: ProbeConfig, tail: _Tail) -> dict:
               branch=dict(gbps=b_rate / GB, overhead_us=b_overhead * 1e6, fit=b_how), rows=rows)
 
 
+def measure_host_share(cfg: ProbeConfig, tail: _Tail) -> dict:
+  """A layer's CPU share as rkv.offload.host_share runs it (a C++ thread woken from inside its
+  start program, awaited by its wait program) over tiles ``(0, m)`` of the probe's tail for each
+  ``m`` of ``cfg.tail_tiles``: the start and wait programs and the partial's
+  ``block_until_ready``, wall clock, median. The line ``time = overhead + bytes / rate``
+  (:func:`fit_cost`) gives ``{share_overhead_us, share_cpu_gbps}``; ``rows`` the medians. Raises
+  where the share cannot be built or run (the caller records why)."""
+  from rkv.offload import host_share as share_lib  # builds the share's C++ library on first use
+  warmup = max(cfg.warmup, 1)  # the first call compiles the share's two programs
+  share = share_lib.HostShare(tail.q.shape)
+  rows = []
+  try:
+    for m in sorted(set(cfg.tail_tiles)):
+      share.configure(tail.kv, tiles=(0, m), num_threads=tail.threads)
+
+      def call():
+        t0 = time.perf_counter()
+        jax.block_until_ready(share.wait_program(share.start_program(tail.q, tail.q_pos)))
+        return (time.perf_counter() - t0,)
+
+      (call_s,) = _medians(call, warmup, cfg.repeats)
+      nbytes = m * tail.tile_bytes
+      rows.append(dict(tiles=m, bytes=nbytes, call_s=call_s, gbps=nbytes / call_s / GB))
+    # Every timed call ran the kernel once and cleanly (a skipped run would time as a fast one).
+    counters = share.counters()
+  finally:
+    share.close()
+  overhead, rate, how = fit_cost([r["bytes"] for r in rows], [r["call_s"] for r in rows])
+  return dict(share_overhead_us=overhead * 1e6, share_cpu_gbps=rate / GB, fit=how, rows=rows,
+              counters=counters)
+
+
+def _host_share_or_reason(cfg: ProbeConfig, tail: _Tail) -> dict | str:
+  """:func:`measure_host_share`, or why it was not measured: the share is optional (it needs a
+  C++ compiler and jaxlib's FFI headers), so its failure must not lose the other figures."""
+  if not cfg.host_share:
+    return "skipped (host_share=False)"
+  try:
+    from rkv.offload import host_share as share_lib
+    ok, why = share_lib.share_available()
+    if not ok:
+      return f"host share not available: {why}"[:500]
+    return measure_host_share(cfg, tail)
+  except Exception as e:  # noqa: BLE001 - a broken build or run: recorded, not fatal
+    return f"host share failed: {type(e).__name__}: {e}"[:500]
+
+
 def _balanced_cpu_tiles(n: int, tile_bytes: int, stream_s, cpu_s) -> int:
   """CPU tiles (1..n-1) of an ``n``-tile hybrid whose sides' solo times are closest."""
   return min(range(1, n), key=lambda c: abs(stream_s((n - c) * tile_bytes) - cpu_s(c * tile_bytes)))
@@ -480,8 +538,10 @@ def measure_contention(cfg: ProbeConfig, tail: _Tail, *, pcie: tuple[float, floa
 
 def measure_tail(cfg: ProbeConfig, pcie: tuple[float, float]) -> dict:
   """:func:`measure_cpu_tail` and (``contention_tiles``) :func:`measure_contention` on one probe
-  cache; ``pcie``: the stream side's ``(overhead_s, bytes/s)`` alone. Returns the figures and
-  ``details`` (``cpu_tail``, ``contention``, ``tail``: the cache and threads)."""
+  cache, then (``host_share``) :func:`measure_host_share` on it; ``pcie``: the stream side's
+  ``(overhead_s, bytes/s)`` alone. Returns the figures and ``details`` (``cpu_tail``,
+  ``contention``, ``host_share``: its rows and fit or why not, ``tail``: the cache and
+  threads)."""
   n = max(max(cfg.tail_tiles), cfg.contention_tiles)
   tail = _tail(cfg, n)
   details: dict[str, Any] = dict(tail=dict(tiles=n, tile_cells=cfg.cpu_tile_cells,
@@ -490,14 +550,18 @@ def measure_tail(cfg: ProbeConfig, pcie: tuple[float, float]) -> dict:
                                            cpu_threads=tail.threads))
   fit = details["cpu_tail"] = measure_cpu_tail(cfg, tail)
   out = dict(cpu_attn_gbps=fit["cpu_attn_gbps"], cpu_overhead_us=fit["cpu_overhead_us"],
-             hybrid_pcie_gbps=None, hybrid_cpu_gbps=None, details=details)
+             hybrid_pcie_gbps=None, hybrid_cpu_gbps=None, share_overhead_us=None,
+             details=details)
   if not cfg.contention_tiles:
     details["contention"] = "skipped (contention_tiles=0)"
-    return out
-  branch = fit["branch"]
-  con = details["contention"] = measure_contention(
-      cfg, tail, pcie=pcie, cpu=(branch["overhead_us"] * 1e-6, branch["gbps"] * GB))
-  out.update(hybrid_pcie_gbps=con["hybrid_pcie_gbps"], hybrid_cpu_gbps=con["hybrid_cpu_gbps"])
+  else:
+    branch = fit["branch"]
+    con = details["contention"] = measure_contention(
+        cfg, tail, pcie=pcie, cpu=(branch["overhead_us"] * 1e-6, branch["gbps"] * GB))
+    out.update(hybrid_pcie_gbps=con["hybrid_pcie_gbps"], hybrid_cpu_gbps=con["hybrid_cpu_gbps"])
+  share = details["host_share"] = _host_share_or_reason(cfg, tail)
+  if isinstance(share, Mapping):
+    out["share_overhead_us"] = share["share_overhead_us"]
   return out
 
 
@@ -547,15 +611,17 @@ def run_probe(cfg: ProbeConfig = ProbeConfig()) -> Profile:
   details["attention"] = attn
   cpu = measure_cpu(cfg)
   details.update(cpu["details"])
-  tail_figures = dict.fromkeys(("cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps"))
+  tail_figures = dict.fromkeys(("cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps",
+                                "share_overhead_us"))
   if not cfg.cpu:
-    details.update(dict.fromkeys(tail_figures, "skipped (cpu=False)"))
+    details.update(dict.fromkeys(tail_figures, "skipped (cpu=False)"),
+                   host_share="skipped (cpu=False)")
   else:
     try:
       tail = measure_tail(cfg, pcie=((transfer_overhead_us or 0.0) * 1e-6, pcie_gbps * GB))
     except Exception as e:  # keep the other figures; the kernel-alone rate stays the CPU figure
-      details.update(dict.fromkeys(tail_figures,
-                                   f"tail path failed: {type(e).__name__}: {e}"[:500]))
+      reason = f"tail path failed: {type(e).__name__}: {e}"[:500]
+      details.update(dict.fromkeys(tail_figures, reason), host_share=reason)
     else:
       details.update(tail.pop("details"))
       details["cpu_kernel_numpy_gbps"] = cpu["cpu_attn_gbps"]
@@ -594,4 +660,15 @@ def format_checks(prof: Profile) -> str:
                  f"{ms(con['hybrid_step_s'])}, modeled {ms(con.get('hybrid_modeled_s'))}; "
                  f"stream side {ms(con['stream_s'])} (alone {ms(con['stream_alone_s'])}), "
                  f"CPU side {ms(con['cpu_s'])} (alone {ms(con['cpu_alone_s'])})")
+  share = d.get("host_share")
+  if isinstance(share, Mapping):
+    # Next to the cpu tactic's rows: the share's fixed cost is what a plan made with
+    # $RKV_HOST_SHARE=1 puts in place of the worker path's (Profile.for_host_share).
+    rows = share.get("rows", [])
+    lines.append(f"host share, {'/'.join(str(r['tiles']) for r in rows)} tiles: call "
+                 f"{' / '.join(ms(r['call_s']) for r in rows)}; fit "
+                 f"{share['share_overhead_us']:.4g} us + {share['share_cpu_gbps']:.4g} GB/s "
+                 f"({share['fit']})")
+  elif isinstance(share, str) and not share.startswith("skipped"):
+    lines.append(f"host share: not measured ({share})")
   return "\n".join(lines)

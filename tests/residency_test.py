@@ -511,7 +511,7 @@ def test_profile_new_figures_roundtrip_and_old_format(tmp_path):
                              hybrid_pcie_gbps=45.0, hybrid_cpu_gbps=20.0)
   path = prof.save(str(tmp_path / "v2.json"))
   doc = json.load(open(path))
-  assert doc["version"] == rz.PROFILE_VERSION == 3 and doc["cpu_overhead_us"] == 900.0
+  assert doc["version"] == rz.PROFILE_VERSION == 4 and doc["cpu_overhead_us"] == 900.0
   assert Profile.load(path) == prof
   text = prof.describe()
   for piece in ("PCIe 50 GB/s + 700 us/stream", "CPU attn 25 GB/s + 900 us/call",
@@ -540,6 +540,58 @@ def test_profile_new_figures_roundtrip_and_old_format(tmp_path):
       ResidencyConfig(**bad)
     with pytest.raises(ValueError, match=next(iter(bad))):
       dataclasses.replace(FLAT, **bad)
+
+
+def test_profile_share_overhead_roundtrip_and_version_3(tmp_path):
+  # Version 4's figure: the host share's probed fixed cost, saved and loaded with the rest; a
+  # version-3 profile (written before it) loads with None.
+  prof = dataclasses.replace(FLAT, cpu_overhead_us=900.0, share_overhead_us=250.0)
+  doc = json.loads(json.dumps(prof.to_json()))
+  assert doc["version"] == 4 and doc["share_overhead_us"] == 250.0
+  assert Profile.from_json(doc) == prof and Profile.from_json(doc).share_overhead_us == 250.0
+  assert Profile.load(prof.save(str(tmp_path / "v4.json"))) == prof
+  assert "host share 250 us/call" in prof.describe()
+  v3 = {k: v for k, v in doc.items() if k != "share_overhead_us"}
+  v3["version"] = 3
+  old = Profile.from_json(v3)
+  assert old.share_overhead_us is None and old == dataclasses.replace(prof, share_overhead_us=None)
+  assert "host share" not in old.describe()
+  assert FLAT.replace(share_overhead_us=7.0).share_overhead_us == 7.0
+  for bad in (-1.0, float("nan"), "250"):
+    with pytest.raises(ValueError, match="share_overhead_us"):
+      dataclasses.replace(FLAT, share_overhead_us=bad)
+
+
+@pytest.mark.filterwarnings("ignore:plan. the profile")  # H200 figures on a CPU host, on purpose
+def test_the_host_share_plans_with_its_probed_fixed_cost():
+  # With share_overhead_us probed, a plan for the share uses it in place of the two-copy
+  # estimate, still never above the worker path's fitted cost: at the worker's own 2188 us the
+  # 128K half-offloaded split is the worker's (two of three tiles streamed), at the estimate's
+  # 279 us one streams.
+  import rkv
+  from rkv.planner import H200_DEFAULT
+  assert H200_DEFAULT.share_overhead_us is None  # not probed: the estimate
+  assert H200_DEFAULT.for_host_share().cpu_overhead_us == pytest.approx(
+      2 * H200_DEFAULT.copy_latency_us)
+  probed = H200_DEFAULT.replace(share_overhead_us=900.0)
+  assert probed.for_host_share().cpu_overhead_us == 900.0
+  assert probed.for_host_share().share_overhead_us == 900.0  # nothing else moves
+  assert H200_DEFAULT.replace(share_overhead_us=0.0).for_host_share().cpu_overhead_us == 0.0
+  high = H200_DEFAULT.replace(share_overhead_us=5000.0)
+  assert high.for_host_share().cpu_overhead_us == H200_DEFAULT.cpu_overhead_us  # never raised
+  unfit = dataclasses.replace(H200_DEFAULT, cpu_overhead_us=None, share_overhead_us=900.0)
+  assert unfit.for_host_share() == unfit
+  mc = rkv.models.ModelConfig.preset("llama3-8b")
+  half = dict(check_free=False, vram_target_mib=8 * 1024, host_share=True)
+
+  def streamed(share_us):
+    prof = dataclasses.replace(H200_DEFAULT, share_overhead_us=share_us)
+    p = rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(profile=prof, **half))
+    assert p.host_share and set(p.tactics()) == {"hybrid"}
+    return {round((1 - lp.cpu_fraction) * lp.host_cells / lp.tile_cells) for lp in p.layers}
+
+  assert streamed(None) == streamed(2 * H200_DEFAULT.copy_latency_us) == {1}
+  assert streamed(H200_DEFAULT.cpu_overhead_us) == {2}
 
 
 def test_profile_int8_cpu_share(tmp_path):
@@ -585,6 +637,9 @@ def test_h200_default_is_the_measured_profile():
   d = rz.H200_DEFAULT
   for name in rz.FIGURES:
     if name == "cpu_int8_share":  # newer than profile v3: see test_h200_default_int8_share
+      continue
+    if name == "share_overhead_us":  # newer than any H200 probe: not measured, not built in
+      assert d.share_overhead_us is None
       continue
     want = getattr(measured, name)
     assert want is not None, name
@@ -689,6 +744,7 @@ def test_probe_smoke(tmp_path):
   assert prof.attn_overhead_us >= 0 and prof.copy_latency_us > 0
   assert prof.cpu_attn_gbps == 2.5 and prof.details["overridden"]["cpu_attn_gbps"]["used"] == 2.5
   assert prof.host_read_gbps is None and "skipped" in prof.details["host_read_gbps"]
+  assert prof.share_overhead_us is None and prof.details["host_share"] == "skipped (cpu=False)"
   assert [r["bytes"] for r in prof.details["h2d"]] == [MIB // 4, MIB]
   path = prof.save(str(tmp_path / "profile.json"))
   assert Profile.load(path) == prof and Profile.load(path).details == json.loads(
@@ -781,22 +837,76 @@ def test_probe_tail_paths_smoke():
               "hybrid_modeled_s"):
     assert con[key] > 0, key
   assert "hybrid," in probe.format_checks(prof) and "cpu tactic" in probe.format_checks(prof)
+  # The host share over the same tail sizes (where it can run here), its line through the rows.
+  from rkv.offload import host_share
+  ok, why = host_share.share_available()
+  share = d["host_share"]
+  if not ok:
+    assert prof.share_overhead_us is None and why in share
+  else:
+    assert [r["tiles"] for r in share["rows"]] == [1, 4]
+    assert [r["bytes"] for r in share["rows"]] == [1024 * 2 * K * D * 4 * m for m in (1, 4)]
+    assert all(r["call_s"] > 0 for r in share["rows"])
+    calls = 2 * (1 + 2)  # two sizes, each warmed up once and timed twice (tiny_probe)
+    assert share["counters"] == dict(starts=calls, waits=calls, runs=calls, last_rc=0)
+    assert prof.share_overhead_us == share["share_overhead_us"] >= 0
+    assert share["share_cpu_gbps"] > 0 and math.isfinite(share["share_cpu_gbps"])
+    if share["fit"] == "fit":  # else a noisy line fell back to no fixed cost (fit_cost)
+      # A call pays its programs' dispatch and the worker's wake whatever the bytes.
+      assert 0 < share["share_overhead_us"] * 1e-6 < min(r["call_s"] for r in share["rows"])
+    else:
+      assert share["fit"] in ("origin", "largest") and share["share_overhead_us"] == 0
+    assert "host share, 1/4 tiles: call" in probe.format_checks(prof)
   # Saved and loaded whole; overrides win over the measured figures.
   assert Profile.from_json(json.loads(json.dumps(prof.to_json(), default=str))) == prof
   forced = probe.run_probe(tiny_probe(cpu=True, cpu_kv_len=1024, cpu_tile_cells=1024,
                                       tail_tiles=(1, 2), contention_tiles=0, host_read_mib=1,
-                                      cpu_threads=1, overrides=dict(cpu_overhead_us=123.0,
-                                                                    hybrid_cpu_gbps=7.0)))
+                                      cpu_threads=1, host_share=False,
+                                      overrides=dict(cpu_overhead_us=123.0, hybrid_cpu_gbps=7.0,
+                                                     share_overhead_us=45.0)))
   assert forced.cpu_overhead_us == 123.0 and forced.hybrid_cpu_gbps == 7.0
+  assert forced.share_overhead_us == 45.0
+  assert forced.details["overridden"]["share_overhead_us"] == dict(measured=None, used=45.0)
+  assert forced.details["host_share"] == "skipped (host_share=False)"
   assert forced.details["overridden"]["cpu_overhead_us"]["used"] == 123.0
   assert forced.hybrid_pcie_gbps is None and "skipped" in forced.details["contention"]
   assert forced.details["tail"]["cpu_threads"] == 1
 
 
+def test_probe_without_the_host_share_keeps_every_other_figure(monkeypatch):
+  # No C++ compiler for the share (or a share that fails to run): the probe completes, the
+  # share's figure is None with the reason, and the cpu tactic's figures are still measured.
+  from rkv import probe
+  from rkv.offload import host_share
+  small = dict(cpu=True, cpu_kv_len=1024, cpu_tile_cells=1024, tail_tiles=(1, 2),
+               contention_tiles=0, host_read_mib=1, cpu_threads=1)
+  monkeypatch.setattr(host_share, "share_available", lambda: (False, "no compiler"))
+  prof = probe.run_probe(tiny_probe(**small))
+  assert prof.share_overhead_us is None
+  assert prof.details["host_share"] == "host share not available: no compiler"
+  assert prof.cpu_attn_gbps > 0 and prof.cpu_overhead_us is not None
+  assert [r["tiles"] for r in prof.details["cpu_tail"]["rows"]] == [1, 2]
+  assert "host share: not measured (host share not available: no compiler)" in \
+      probe.format_checks(prof)
+  assert Profile.from_json(json.loads(json.dumps(prof.to_json(), default=str))) == prof
+  # Available, but the share fails where it is built or run: recorded the same way.
+  monkeypatch.setattr(host_share, "share_available", lambda: (True, ""))
+
+  def broken(*args, **kw):
+    raise RuntimeError("the share's library did not load")
+
+  monkeypatch.setattr(host_share, "HostShare", broken)
+  prof = probe.run_probe(tiny_probe(**small))
+  assert prof.share_overhead_us is None and prof.cpu_attn_gbps > 0
+  assert prof.details["host_share"] == ("host share failed: RuntimeError: the share's library "
+                                        "did not load")
+
+
 def test_probe_config_checks():
   for kw, name in ((dict(tail_tiles=(4, 4)), "tail_tiles"), (dict(contention_tiles=1),
                    "contention_tiles"), (dict(cpu_threads=0), "cpu_threads"),
-                   (dict(overrides=dict(pcie=1.0)), "overrides")):
+                   (dict(overrides=dict(pcie=1.0)), "overrides"),
+                   (dict(host_share="yes"), "host_share")):
     with pytest.raises(ValueError, match=name):
       tiny_probe(**kw)
 

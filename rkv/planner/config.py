@@ -83,6 +83,7 @@ class ResidencyConfig:
   hybrid_pcie_gbps: float | None = None
   hybrid_cpu_gbps: float | None = None
   cpu_int8_share: float | None = None
+  share_overhead_us: float | None = None
   host_share: bool | None = None
 
   def __post_init__(self):

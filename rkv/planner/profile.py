@@ -20,10 +20,10 @@ GB = 1e9
 
 PROFILE_FORMAT = "rkv.Profile"
 # Version 2 added the optional figures transfer_overhead_us, cpu_overhead_us, hybrid_pcie_gbps
-# and hybrid_cpu_gbps, version 3 cpu_int8_share; an older profile still loads (they are None:
-# the model's fallbacks).
-PROFILE_VERSION = 3
-READABLE_PROFILE_VERSIONS = (1, 2, 3)
+# and hybrid_cpu_gbps, version 3 cpu_int8_share, version 4 share_overhead_us; an older profile
+# still loads (they are None: the model's fallbacks).
+PROFILE_VERSION = 4
+READABLE_PROFILE_VERSIONS = (1, 2, 3, 4)
 
 # The CPU tail kernel's rate over int8 K/V as a share of its bf16 rate (bytes/s), for a profile
 # that did not measure it (cpu_int8_share None). The kernel's cost is per cell, not per byte: the
@@ -61,10 +61,11 @@ def check_positive(where: str, name: str, value, *, allow_none: bool = True, all
 
 FIGURES = ("pcie_gbps", "d2h_gbps", "hbm_gbps", "attn_overhead_us", "cpu_attn_gbps",
            "host_read_gbps", "copy_latency_us", "overlap", "transfer_overhead_us",
-           "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps", "cpu_int8_share")
+           "cpu_overhead_us", "hybrid_pcie_gbps", "hybrid_cpu_gbps", "cpu_int8_share",
+           "share_overhead_us")
 OPTIONAL_RATES = ("cpu_attn_gbps", "host_read_gbps", "hybrid_pcie_gbps", "hybrid_cpu_gbps",
                   "cpu_int8_share")
-OPTIONAL_OVERHEADS = ("transfer_overhead_us", "cpu_overhead_us")
+OPTIONAL_OVERHEADS = ("transfer_overhead_us", "cpu_overhead_us", "share_overhead_us")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,10 @@ class Profile:
   ``cpu_int8_share``: the CPU kernel's bytes/s over int8 K/V (with their scales) as a share of
   its bf16 bytes/s, both measured by the kernel alone (None: :data:`INT8_CPU_SHARE_FALLBACK`);
   :meth:`for_kv_dtype` applies it to the CPU figures of an int8 cache.
+  ``share_overhead_us``: the fixed cost of one call of a CPU share run by
+  rkv.offload.host_share's C++ thread (its start and wait programs, the kernel between): the
+  intercept of ``time = overhead + bytes / rate`` fitted over the probe's tail sizes (None: not
+  measured; :meth:`for_host_share` then estimates it).
   ``host_read_gbps``: host memory read bandwidth (caps CPU attention, and CPU attention plus the
   DMA reads of a hybrid split when the contended rates are not measured). ``copy_latency_us``:
   fixed cost of one small host↔device copy (the query out, the CPU partial back). ``overlap``: share of the shorter of (device compute,
@@ -109,6 +114,7 @@ class Profile:
   hybrid_pcie_gbps: float | None = None
   hybrid_cpu_gbps: float | None = None
   cpu_int8_share: float | None = None
+  share_overhead_us: float | None = None
   device: str = ""
   source: str = ""
   # Not part of equality or the hash: a config holding a profile stays hashable.
@@ -151,19 +157,23 @@ class Profile:
 
   def for_host_share(self) -> "Profile":
     """The figures of a CPU share run by rkv.offload.host_share's C++ thread (``$RKV_HOST_SHARE``):
-    ``cpu_overhead_us`` becomes two small stream-ordered copies, ``2 x copy_latency_us`` (the query
-    down, the partial up), where the probe fitted it through the Python worker's path (its start,
-    the query's copy through PJRT's threads, its setup and the join's wait: 2188 us on the H200).
-    An estimate, not a probed figure (the probe does not run the share yet), used only when
-    asked for (``ResidencyConfig.host_share``): what it planned was the fastest split on H100s
-    (sessions 23-24: 1M int8 8.13 tok/s at 3 of 7 CPU tiles against 6.63 at the worker's 2) and
-    slower on the H200 (128K half 6.85 at 2 of 3 against 7.87 at 1; docs/DESIGN.md §6). Never
-    raises the fixed cost; unchanged without a ``cpu_overhead_us`` (the model then adds the
-    partial's copy itself)."""
+    ``cpu_overhead_us`` becomes the share's own fixed cost a call, where the probe fitted it
+    through the Python worker's path (its start, the query's copy through PJRT's threads, its
+    setup and the join's wait: 2188 us on the H200). That cost is ``share_overhead_us`` where the
+    probe measured it (the share's start and wait programs timed over the probe's tail), else an
+    estimate, two small stream-ordered copies, ``2 x copy_latency_us`` (the query down, the
+    partial up). Used only when asked for (``ResidencyConfig.host_share``): what the estimate
+    planned was the fastest split on H100s (sessions 23-24: 1M int8 8.13 tok/s at 3 of 7 CPU
+    tiles against 6.63 at the worker's 2) and slower on the H200 (128K half 6.85 at 2 of 3
+    against 7.87 at 1; docs/DESIGN.md §6), hence the probed figure. Either way it never raises
+    the fixed cost above ``cpu_overhead_us``, and leaves a profile without a ``cpu_overhead_us``
+    unchanged (the model then adds the partial's copy itself). The CPU rate stays the profile's
+    (the same kernel)."""
     if self.cpu_overhead_us is None:
       return self
-    return dataclasses.replace(
-        self, cpu_overhead_us=min(self.cpu_overhead_us, 2.0 * self.copy_latency_us))
+    share_us = (2.0 * self.copy_latency_us if self.share_overhead_us is None
+                else self.share_overhead_us)
+    return dataclasses.replace(self, cpu_overhead_us=min(self.cpu_overhead_us, share_us))
 
   def describe(self) -> str:
     f = lambda x, unit, fmt="{:.4g}": "-" if x is None else fmt.format(x) + unit
@@ -172,6 +182,8 @@ class Profile:
             f"(d2h {f(self.d2h_gbps, ' GB/s')}), "
             f"HBM {f(self.hbm_gbps, ' GB/s')} + {f(self.attn_overhead_us, ' us')}/call, "
             f"CPU attn {f(self.cpu_attn_gbps, ' GB/s')}{plus(self.cpu_overhead_us, 'call')}, ")
+    if self.share_overhead_us is not None:
+      text += f"host share {self.share_overhead_us:.4g} us/call, "
     if self.hybrid_pcie_gbps is not None or self.hybrid_cpu_gbps is not None:
       text += (f"hybrid (contended) PCIe {f(self.hybrid_pcie_gbps, ' GB/s')} CPU "
                f"{f(self.hybrid_cpu_gbps, ' GB/s')}, ")
