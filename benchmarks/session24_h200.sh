@@ -14,8 +14,8 @@
 # ahead (2M int8 6.79 against 4.87; 1M 9.00 against 8.63). So the default now runs the share at
 # the plans made with the profile's fitted cost (the worker's plans); part b measures that.
 #   bash benchmarks/session24_h200.sh a   # 2M int8, 128K half, 1M (share and worker plans)
-#   bash benchmarks/session24_h200.sh b   # the default (share, fitted plans) against the worker,
-#                                         # 128K half, 1M, B=8 x 128K, 512K half; pytest -m gpu
+#   bash benchmarks/session24_h200.sh b   # pytest -m gpu; the default (share, fitted plans)
+#                                         # against the worker: 1M, 128K half, B=8, 512K half
 D=/tmp/s24_${1:-a} NAME=s24 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
@@ -33,17 +33,18 @@ case "$PART" in
       --split_env=2@RKV_HOST_SHARE=1 --sweep_env=RKV_HOST_SHARE=1 --sweep_rounds=2)
     ;;
   b)
-    # In order of need, each packed as it ends (a call cut short keeps the steps before).
+    # In order of need, each packed as it ends (a call cut short keeps the steps before): the GPU
+    # tests under the new default first (the gates now run the share on a GPU), then the rows.
     host
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 170 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
     T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --split_cpu_tiles=2 \
       --sweep_env=$W0 --sweep_rounds=2
     T=100 run half128 --configs=rkv_offload --budget=fraction --contexts=131072 \
       --split_cpu_tiles=2 --sweep_env=$W0 --sweep_rounds=3
     T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
       --sweep_env=$W0 --sweep_rounds=2
-    echo "== pytest -m gpu $(date +%T)"
-    timeout 170 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
-    tail -3 $D/pytest_gpu.txt; pack
     T=150 run half512 --configs=rkv_offload --budget=fraction --contexts=524288 \
       --sweep_env=$W0 --sweep_rounds=2
     ;;

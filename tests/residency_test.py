@@ -286,10 +286,13 @@ def test_the_host_share_plans_its_own_fixed_cost(monkeypatch):
                       for lp in plan.layers} for share, plan in plans.items()}
   assert streamed == {False: {2}, True: {1}}
   assert plans[True].step_time_s < plans[False].step_time_s
-  assert "host-share thread estimate" in plans[True].table()
-  assert "host-share thread estimate" in plans[True].summary()
+  assert "planned for the host-share thread" in plans[True].table()
+  assert "host-share thread cost" in plans[True].summary()
   assert "host-share thread" not in plans[False].table()
-  assert "279 us, not 2188" in plans[True].table()
+  assert "279 us (estimated), not 2188" in plans[True].table()
+  probed = rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(
+      host_share=True, share_overhead_us=500.0, **half)).table()
+  assert "500 us (probed), not 2188" in probed
   unfit = dataclasses.replace(H200_DEFAULT, cpu_overhead_us=None)  # a profile without the fit
   assert unfit.for_host_share() == unfit
   table = rz.plan(mc, 1 << 17, 1, residency=ResidencyConfig(

@@ -160,7 +160,19 @@ class Plan:
             f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
             f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
             f"{self.profile.source or self.profile.device}"
-            f"{'; CPU shares planned at the host-share thread estimate' * self.host_share}")
+            f"{'; CPU shares planned at the host-share thread cost' * self.host_share}")
+
+  def _host_share_line(self) -> str:
+    """The table's line for a plan made with the host share's fixed cost (probed or estimated:
+    Profile.for_host_share)."""
+    p = self.profile
+    if p.cpu_overhead_us is None:
+      cost = "unmeasured (the partial's copy is modeled)"
+    else:
+      how = "probed" if p.share_overhead_us is not None else "estimated"
+      cost = f"{p.for_host_share().cpu_overhead_us:.0f} us ({how}), not {p.cpu_overhead_us:.0f}"
+    return (f"CPU shares planned for the host-share thread ($RKV_HOST_SHARE=1): a call's fixed "
+            f"cost {cost}")
 
   def table_rows(self) -> tuple[list[str], list[list[str]], list[str]]:
     """``(columns, rows, totals)`` of :meth:`table`, as strings (``rkv.planner.plan_sharded``
@@ -203,11 +215,7 @@ class Plan:
         f"{'' if self.reserve is None else f' ({self.reserve.describe()})'}"
         f"{'' if self.free_bytes is None else f'; device free {mib(self.free_bytes)} MiB'}",
         f"profile {self.profile.source or self.profile.device}: {self.profile.describe()}",
-        *([f"CPU shares planned at the host-share thread estimate ($RKV_HOST_SHARE=1): a "
-           f"call's fixed cost "
-           + (f"{self.profile.for_host_share().cpu_overhead_us:.0f} us, not "
-              f"{self.profile.cpu_overhead_us:.0f}" if self.profile.cpu_overhead_us is not None
-              else "unmeasured (the partial's copy is modeled)")] if self.host_share else []),
+        *([self._host_share_line()] if self.host_share else []),
         fmt(cols), *(fmt(r) for r in rows), fmt(total),
         f"totals: device {mib(self.device_bytes)} MiB of {mib(self.budget_bytes)} MiB budget, "
         f"host {mib(self.host_bytes)} MiB; modeled step {us(step)} us "
