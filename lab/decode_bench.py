@@ -97,15 +97,17 @@ Beyond HBM on one H200 (``experiments/decode_bench.py``; a pinned-host tail abov
       --batch=8 --out=benchmarks/results/decode_beyond_hbm_h200.json --append --plot=
 
 A/Bs on one fill (:func:`split_sweep`): after an ``rkv_offload`` row is timed, its caches are
-timed again under each ``split_cpu_tiles`` override of the hybrid layers' CPU share and each
-``sweep_env`` setting of the library's per-step switches (:data:`STEP_SWITCHES`), alternating
-with the plan as it is over ``sweep_rounds`` rounds; ``row["sweep_medians"]`` holds each
-variant's median tokens/s and its ratio to the plan's (one process, one plan, one fill: its
-rounds spread far less than separate runs)::
+timed again under each ``split_cpu_tiles`` override of the hybrid layers' CPU share, each
+``sweep_env`` setting of the library's per-step switches (:data:`STEP_SWITCHES`) and each
+``split_env`` pair of both, alternating with the plan as it is over ``sweep_rounds`` rounds;
+``row["sweep_medians"]`` holds each variant's median tokens/s and its ratio to the plan's (one
+process, one plan, one fill: its rounds spread far less than separate runs). On a GPU the plan
+runs the host share (the default): here against 3 and 4 CPU tiles and the Python worker at the
+plan's split and at 1 CPU tile::
 
-  RKV_HOST_SHARE=1 python -m experiments.decode_bench --configs=rkv_offload --budget=auto \\
-      --contexts=2097152 --kv_dtype=int8 --split_cpu_tiles=2,3,4 \\
-      --sweep_env=RKV_HOST_SHARE=0 --sweep_rounds=3
+  python -m experiments.decode_bench --configs=rkv_offload --budget=auto \\
+      --contexts=2097152 --kv_dtype=int8 --split_cpu_tiles=3,4 \\
+      --sweep_env=RKV_HOST_SHARE=0 --split_env=1@RKV_HOST_SHARE=0 --sweep_rounds=3
 """
 
 from __future__ import annotations
