@@ -44,9 +44,10 @@ from rkv.offload import cpu_build
 from rkv.offload import memory
 from rkv.offload import share_build
 
-# $RKV_HOST_SHARE=1: decode steps run their layers' CPU shares here (rkv.models.transformer says
-# where and why); the planner then models a CPU share's fixed cost as this thread's
-# (rkv.planner.Profile.for_host_share). Read at each step and each plan.
+# $RKV_HOST_SHARE: decode steps run their layers' CPU shares here (rkv.models.transformer says
+# where and why; unset: default_on), the Python worker with =0; =1 set by name also has the
+# planner model a CPU share's fixed cost as this thread's (share_requested,
+# rkv.planner.Profile.for_host_share). Read at each step and each plan.
 HOST_SHARE_ENV = "RKV_HOST_SHARE"
 # What an unset $RKV_HOST_SHARE means on a GPU backend where the share can be built and loaded
 # (default_on). Elsewhere unset means off, the Python worker: where the share cannot be built
@@ -103,9 +104,10 @@ def default_on() -> bool:
 
 def share_requested() -> bool:
   """Whether ``$RKV_HOST_SHARE`` is set on by name (read now): the planner then plans the CPU
-  shares with the share's estimated fixed cost (``rkv.planner.ResidencyConfig.host_share``). The
-  default share (unset) keeps the profile's fitted cost: on the H200 the splits that estimate
-  moved toward the CPU ran slower (session 24, docs/DESIGN.md §6)."""
+  shares with the share's own fixed cost, probed or estimated
+  (``rkv.planner.ResidencyConfig.host_share``). The default share (unset) keeps the profile's
+  fitted cost: on the H200 the splits the estimate moved toward the CPU ran slower (session 24,
+  docs/DESIGN.md §6)."""
   return validation.env_switch(HOST_SHARE_ENV, False)
 
 
@@ -114,6 +116,7 @@ def share_on() -> bool:
   if os.environ.get(HOST_SHARE_ENV, "").strip():
     return validation.env_switch(HOST_SHARE_ENV, False)
   return default_on()  # asks for the backend and the compiler only when unset
+
 
 START_TARGET = "rkv_share_start"
 WAIT_TARGET = "rkv_share_wait"

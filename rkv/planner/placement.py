@@ -113,8 +113,8 @@ class Plan:
   budget_source: str = ""
   reserve: Reserve | None = None
   free_bytes: int | None = None
-  # Planned with the host share's estimated fixed cost (ResidencyConfig.host_share): the cpu /
-  # hybrid times use Profile.for_host_share's.
+  # Planned with the host share's fixed cost, probed or estimated (ResidencyConfig.host_share):
+  # the cpu / hybrid times use Profile.for_host_share's.
   host_share: bool = False
 
   @property
@@ -154,13 +154,14 @@ class Plan:
     for lp in self.layers:
       counts[lp.tactic] = counts.get(lp.tactic, 0) + 1
     step = self.step_time_s
+    share = "; CPU shares planned at the host-share thread cost" if self.host_share else ""
     return (f"rkv plan: context_len={self.context_len} batch={self.batch} mode={self.mode}: "
             f"{', '.join(f'{v} {k}' for k, v in counts.items())}; KV device "
             f"{self.device_bytes / MIB:.1f} MiB of {self.budget_bytes / MIB:.1f} MiB budget, "
             f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
             f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
             f"{self.profile.source or self.profile.device}"
-            f"{'; CPU shares planned at the host-share thread cost' * self.host_share}")
+            f"{share}")
 
   def _host_share_line(self) -> str:
     """The table's line for a plan made with the host share's fixed cost (probed or estimated:
