@@ -16,6 +16,7 @@
 #   bash benchmarks/session24_h200.sh a   # 2M int8, 128K half, 1M (share and worker plans)
 #   bash benchmarks/session24_h200.sh b   # pytest -m gpu; the default (share, fitted plans)
 #                                         # against the worker: 1M, 128K half, B=8, 512K half
+#   bash benchmarks/session24_h200.sh c   # part b's 1M row alone
 D=/tmp/s24_${1:-a} NAME=s24 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
@@ -46,6 +47,12 @@ case "$PART" in
     T=110 run b8 --configs=rkv_offload --budget=auto --contexts=131072 --batch=8 \
       --sweep_env=$W0 --sweep_rounds=2
     T=150 run half512 --configs=rkv_offload --budget=fraction --contexts=524288 \
+      --sweep_env=$W0 --sweep_rounds=2
+    ;;
+  c)
+    # Part b's first row alone, for a call with little device time left.
+    host
+    T=110 run 1m --configs=rkv_offload --budget=auto --contexts=1048576 --split_cpu_tiles=2 \
       --sweep_env=$W0 --sweep_rounds=2
     ;;
 esac
