@@ -10,6 +10,8 @@
 # +15% if the layer is the main thread's; the host share +0-10%; the rest within ±3%.
 # Session 23 ran parts h and h2 (H100s; benchmarks/results/beyond_hbm/session23/); no H200 could be
 # started in five tries and the device time ran out before h3, so a, a2, h3 and b are unrun.
+# Session 24 ran h3 on an H100 (beyond_hbm/session24/h100_h3/); its H200 runs are
+# benchmarks/session24_h200.sh, written for the share as the default.
 #   bash benchmarks/session23_h200.sh a   # the host share's split at 2M int8 (32K and 16K
 #                                         # tiles) and 1M
 #   bash benchmarks/session23_h200.sh a3  # the 2M int8 sweep of the other switches
