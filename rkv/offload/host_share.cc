@@ -31,8 +31,9 @@
 // and the next start.
 //
 // Built by rkv/offload/share_build.py with the system C++ compiler against jaxlib's FFI headers.
-// The CUDA handlers pass their GPU tests on the H200 (session 19); the share was no faster there
-// than the Python worker (docs/DESIGN.md §6), so RKV_HOST_SHARE stays off.
+// The CUDA handlers pass their GPU tests on the H200 (session 19); no faster there than the
+// Python worker until session 20 put the layer's tiles before it, then ahead of the worker at the
+// same split (session 24), and the default on a GPU (docs/DESIGN.md §6).
 
 #include <dlfcn.h>
 
