@@ -20,9 +20,9 @@ Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), r
 * the CPU kernel over the tiles the tactic gives it, in a worker thread started before
   ``device_i`` is dispatched, as soon as ``q_i`` is on the host: that copy waits for ``head_i``
   only, so ``device_i`` runs under the kernel. With the host share (``$RKV_HOST_SHARE``, the GPU
-  default) it runs in :mod:`rkv.offload.host_share`'s C++ thread instead: the share's start program right
-  after ``head_i``, its wait program right before ``head_{i+1}`` (or the close), the partial bit
-  for bit the worker's; a step whose append fills a tile keeps the worker. Five dispatches a
+  default) it runs in :mod:`rkv.offload.host_share`'s C++ thread instead: the share's start
+  program right after ``head_i``, its wait program right before ``head_{i+1}`` (or the close),
+  the partial bit for bit the worker's; a step whose append fills a tile keeps the worker. Five dispatches a
   layer (the puts, ``head_i``, start, ``device_i``, wait) where the general path with the share
   has about nine; unmeasured on the GPU (session 19 built it after its device time was spent).
 
