@@ -23,8 +23,9 @@ Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), r
   default) it runs in :mod:`rkv.offload.host_share`'s C++ thread instead: the share's start
   program right after ``head_i``, its wait program right before ``head_{i+1}`` (or the close),
   the partial bit for bit the worker's; a step whose append fills a tile keeps the worker. Five
-  dispatches a layer (the puts, ``head_i``, start, ``device_i``, wait) where the general path with the share
-  has about nine; unmeasured on the GPU (session 19 built it after its device time was spent).
+  dispatches a layer (the puts, ``head_i``, start, ``device_i``, wait) where the general path
+  with the share has about nine; unmeasured on the GPU (session 19 built it after its device
+  time was spent).
 
 The last rolling layer's partials are closed by a program that merges them and runs its
 ``post_attention``. The cells attended are the general path's, in the same tactic split; only
