@@ -173,9 +173,10 @@ EMBEDDINGS = ("device", "host")
 # tests compare them with the library's constants). Switches read once, when a forward is built
 # or at import (RKV_FUSED_DECODE, RKV_JOIN_LAYERS, RKV_PREFETCH_TILES, RKV_INT8_SCALE_DTYPE,
 # ...), need a process of their own; so do the CPU kernel's threads and nice value
-# (RKV_CPU_TAIL_THREADS, RKV_CPU_KERNEL_NICE), which a host share reads only when it is set up. RKV_NEXT_PUTS is here, but the plan reserves its tiles only
-# when it is set for the whole process (rkv.planner.budget.derive_reserve): sweep it to 0 from
-# there, not to 1 from a plan made without it, on a lean reserve.
+# (RKV_CPU_TAIL_THREADS, RKV_CPU_KERNEL_NICE), which a host share reads only when it is set up.
+# RKV_NEXT_PUTS is here, but the plan reserves its tiles only when it is set for the whole
+# process (rkv.planner.budget.derive_reserve): sweep it to 0 from there, not to 1 from a plan
+# made without it, on a lean reserve.
 STEP_SWITCHES = (
     "RKV_EARLY_PUTS", "RKV_EARLY_CPU", "RKV_EARLY_Q_COPY", "RKV_WORKER_FIRST", "RKV_EARLY_PUT_ALL",
     "RKV_TILES_ONE_PROGRAM", "RKV_SWITCH_INTERVAL_US", "RKV_NEXT_PUTS", "RKV_HOST_SHARE",
@@ -227,7 +228,6 @@ def parse_split_env(text: str) -> tuple[int, tuple[tuple[str, str], ...]]:
 def env_label(entry) -> str:
   """``"A=1+B=0"``: an entry as it is written on the command line."""
   return "+".join(f"{n}={v}" for n, v in entry)
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from rkv.offload import share_build
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
   monkeypatch.delenv(host_share.HOST_SHARE_ENV, raising=False)
-  cached = host_share._available, host_share._loads  # a test may patch them: clear the real ones
+  cached = host_share.share_available, host_share._loads  # tests patch them: clear the real ones
   for f in cached:
     f.cache_clear()
   yield
@@ -53,7 +53,7 @@ def test_available_with_a_compiler(monkeypatch, tmp_path):
 def test_unset_is_the_default_where_the_share_can_run(monkeypatch, default_on, available,
                                                       backend):
   monkeypatch.setattr(host_share, "DEFAULT_ON", default_on)
-  monkeypatch.setattr(host_share, "_available", lambda: (available, "" if available else "no"))
+  monkeypatch.setattr(host_share, "share_available", lambda: (available, "" if available else "no"))
   monkeypatch.setattr(host_share.jax, "default_backend", lambda: backend)
   monkeypatch.setattr(host_share, "_registered", lambda: None)
   expected = default_on and available and backend == "gpu"
@@ -77,7 +77,7 @@ def test_the_shipped_default_is_on_for_gpus_only(monkeypatch):
   # The Python worker stays the default of a CPU backend (this suite's); a GPU backend where the
   # share builds takes it (session 24's H100 runs, host_share.DEFAULT_ON).
   assert host_share.DEFAULT_ON is True
-  monkeypatch.setattr(host_share, "_available", lambda: (True, ""))
+  monkeypatch.setattr(host_share, "share_available", lambda: (True, ""))
   monkeypatch.setattr(host_share, "_registered", lambda: None)
   monkeypatch.setattr(host_share.jax, "default_backend", lambda: "cpu")
   assert host_share.share_on() is False
@@ -86,7 +86,7 @@ def test_the_shipped_default_is_on_for_gpus_only(monkeypatch):
 
 
 def test_a_share_that_fails_to_build_falls_back_to_the_worker_with_a_warning(monkeypatch):
-  monkeypatch.setattr(host_share, "_available", lambda: (True, ""))
+  monkeypatch.setattr(host_share, "share_available", lambda: (True, ""))
   monkeypatch.setattr(host_share.jax, "default_backend", lambda: "gpu")
 
   def broken():

@@ -60,7 +60,10 @@ DEFAULT_ON = True
 
 
 @functools.lru_cache(maxsize=None)
-def _available() -> tuple[bool, str]:
+def share_available() -> tuple[bool, str]:
+  """``(True, "")`` if a share can run here: the CPU kernel can (``kernel_available``) and the
+  share's library is built and verified or a C++ compiler can build it; else ``(False, why)``.
+  Builds nothing; asked once a process (a compiler does not come and go mid-run)."""
   ok, why = cpu_build.kernel_available()
   if not ok:
     return False, why
@@ -71,13 +74,6 @@ def _available() -> tuple[bool, str]:
   except cpu_build.CompilerNotFoundError as e:
     return False, str(e)
   return True, ""
-
-
-def share_available() -> tuple[bool, str]:
-  """``(True, "")`` if a share can run here: the CPU kernel can (``kernel_available``) and the
-  share's library is built and verified or a C++ compiler can build it; else ``(False, why)``.
-  Builds nothing; asked once a process (a compiler does not come and go mid-run)."""
-  return _available()
 
 
 @functools.lru_cache(maxsize=None)
