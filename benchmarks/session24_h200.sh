@@ -1,5 +1,6 @@
 # Session 24's GPU plan: the H200's offloaded rows under the new default, the host share
-# (rkv.offload.host_share.DEFAULT_ON; plans made with its fixed cost), each against the Python
+# (rkv.offload.host_share.DEFAULT_ON; in part a its plans made with its estimated fixed cost, as
+# the code was then; from part b on with the profile's fitted one), each against the Python
 # worker in the same process where the two plans share a layout (--split_env / --sweep_env), or
 # in a second process with RKV_HOST_SHARE=0 where they do not. The plans, computed here on the
 # H200's v3 profile and free memory (planner only): with the share 128K half 1/3 tiles streamed

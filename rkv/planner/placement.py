@@ -160,8 +160,7 @@ class Plan:
             f"{self.device_bytes / MIB:.1f} MiB of {self.budget_bytes / MIB:.1f} MiB budget, "
             f"host {self.host_bytes / MIB:.1f} MiB; modeled step "
             f"{'-' if step is None else f'{step * 1e6:.1f}'} us; profile "
-            f"{self.profile.source or self.profile.device}"
-            f"{share}")
+            f"{self.profile.source or self.profile.device}{share}")
 
   def _host_share_line(self) -> str:
     """The table's line for a plan made with the host share's fixed cost (probed or estimated:
