@@ -1,6 +1,6 @@
 # Session 24's GPU plan: the H200's offloaded rows under the new default, the host share
-# (rkv.offload.host_share.DEFAULT_ON; in part a its plans made with its estimated fixed cost, as
-# the code was then; from part b on with the profile's fitted one), each against the Python
+# (rkv.offload.host_share.DEFAULT_ON; in part a its plans made with its estimated fixed cost,
+# from part b on with the profile's fitted one), each against the Python
 # worker in the same process where the two plans share a layout (--split_env / --sweep_env), or
 # in a second process with RKV_HOST_SHARE=0 where they do not. The plans, computed here on the
 # H200's v3 profile and free memory (planner only): with the share 128K half 1/3 tiles streamed
@@ -24,6 +24,9 @@ host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $
 W0=RKV_HOST_SHARE=0
 case "$PART" in
   a)
+    # Ran when an unset RKV_HOST_SHARE also planned with the share's estimated cost; =1 for the
+    # process does so today, so the part reproduces (the 1m_worker step sets 0 for its own).
+    export RKV_HOST_SHARE=1
     host
     T=170 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
       --split_cpu_tiles=3,4 --sweep_env=$W0 --sweep_rounds=3
