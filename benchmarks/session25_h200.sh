@@ -4,7 +4,8 @@
 # Expected, written before it ran: the share ahead of the worker by x1.0-1.4 at every row
 # (session 24's H200 at the same splits: 2M int8 x1.39, 1M hybrid x1.04, 128K half x1.03); 2M
 # int8 near its 7.95 tok/s bound on a host like the table's (the worker ran 6.63 there).
-#   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker
+#   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker;
+#                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
@@ -20,6 +21,12 @@ case "$PART" in
       --sweep_env=$W0 --sweep_rounds=2
     T=100 run half128 --configs=rkv_offload --budget=fraction --contexts=131072 \
       --split_cpu_tiles=2 --sweep_env=$W0 --sweep_rounds=3
+    # What is left of a ten-minute call goes to the GPU tests under the default (part b has them
+    # whole).
+    echo "== pytest -m gpu $(date +%T)"
+    timeout $((570 - SECONDS)) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
+      > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
     ;;
   b)
     host
