@@ -8,6 +8,7 @@
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace
+#   bash benchmarks/session25_h200.sh h   # an H100: probe, 1M int8 planned on it, pytest -m gpu
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
 host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
@@ -45,6 +46,25 @@ case "$PART" in
       2>&1 | q | tail -5; pack
     T=120 trace 2m_int8 --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
       --trace_steps=2
+    ;;
+  h)
+    # Where no H200 comes, on one H100: a fresh probe (with the share's fixed cost,
+    # share_overhead_us), then 1M int8 with a 10 GiB tail (32 hybrid layers, like 2M int8's on
+    # the H200) planned on it with RKV_HOST_SHARE=1 (the probed share cost), beside other splits
+    # and the Python worker: does the probed cost plan the split that runs fastest? Session 24's
+    # H100 (estimated cost): 3 of 7 CPU tiles 8.13 tok/s, 4 9.30, the fitted cost's 2 6.63.
+    host
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 200 python3 -m experiments.probe --out=$D/profile_probe.json 2>&1 \
+      | q | tail -3; pack
+    [ -f $D/profile_probe.json ] && export P=$D/profile_probe.json
+    (export RKV_HOST_SHARE=1; T=170 run 1m_int8_t10 --configs=rkv_offload --budget=fraction \
+      --offload_fraction=0.155 --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=2,4 \
+      --sweep_env=$W0 --sweep_rounds=2)
+    echo "== pytest -m gpu $(date +%T)"
+    timeout $((570 - SECONDS)) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
+      > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
     ;;
 esac
 echo "== done $(date +%T)"
