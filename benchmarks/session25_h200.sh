@@ -9,6 +9,7 @@
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (two rounds)
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace
+#   bash benchmarks/session25_h200.sh g   # pytest -m gpu on any GPU, then 1M int8 (10 GiB tail)
 #   bash benchmarks/session25_h200.sh h   # an H100: probe, 1M int8 planned on it, pytest -m gpu
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
@@ -53,6 +54,16 @@ case "$PART" in
       2>&1 | q | tail -5; pack
     T=120 trace 2m_int8 --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
       --trace_steps=2
+    ;;
+  g)
+    # The GPU tests under the default first, on whichever GPU comes (an H100 where no H200 does),
+    # then part h's row in what is left.
+    host
+    echo "== pytest -m gpu $(date +%T)"
+    timeout 200 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $D/pytest_gpu.txt 2>&1
+    tail -3 $D/pytest_gpu.txt; pack
+    T=170 run 1m_int8_t10 --configs=rkv_offload --budget=fraction --offload_fraction=0.155 \
+      --contexts=1048576 --kv_dtype=int8 --split_cpu_tiles=4 --sweep_env=$W0 --sweep_rounds=2
     ;;
   h)
     # Where no H200 comes, on one H100: a fresh probe (with the share's fixed cost,
