@@ -6,7 +6,7 @@
 # int8 near its 7.95 tok/s bound on a host like the table's (the worker ran 6.63 there).
 #   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker;
 #                                         # then pytest -m gpu in what is left of ten minutes
-#   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (two rounds)
+#   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace
 #   bash benchmarks/session25_h200.sh g   # pytest -m gpu on any GPU, then 1M int8 (10 GiB tail)
@@ -34,8 +34,8 @@ case "$PART" in
   a1)
     # Part a's first row alone, for a call with little device time left.
     host
-    T=150 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
-      --sweep_env=$W0 --sweep_rounds=2
+    T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+      --sweep_env=$W0 --sweep_rounds=1
     ;;
   b)
     host
