@@ -10,7 +10,8 @@
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
-#   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace
+#   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace;
+#                                         # 2M int8 planned on the probe with the share's cost
 #   bash benchmarks/session25_h200.sh g   # pytest -m gpu on any GPU, then 1M int8 (10 GiB tail)
 #   bash benchmarks/session25_h200.sh h   # an H100: probe, 1M int8 planned on it, pytest -m gpu
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
@@ -56,6 +57,11 @@ case "$PART" in
       2>&1 | q | tail -5; pack
     T=120 trace 2m_int8 --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
       --trace_steps=2
+    # 2M int8 planned on the fresh probe with its measured share cost (RKV_HOST_SHARE=1), beside
+    # the splits around it and the worker: the H200's half of part h's question.
+    [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
+      T=170 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --split_cpu_tiles=2,3 --sweep_env=$W0 --sweep_rounds=2)
     ;;
   g)
     # The GPU tests under the default first, on whichever GPU comes (an H100 where no H200 does),
