@@ -71,6 +71,13 @@
  * On the H200 host (16-core Xeon, AVX-512; 512K cells, 15 threads, one run): bf16 95.1 GB/s
  * against the 256-bit build's 69.6, int8 71.1 against 42.3
  * (benchmarks/results/beyond_hbm/session6/e/cpu_rates_*.json).
+ * Why not AVX512-BF16's vdpbf16ps (two products a lane; the H200's host and the dev box have it):
+ * int8 has no one-instruction exact widening to bf16 (vpmovsxbw gives int16, bf16 needs the
+ * float32 convert and then vcvtne2ps2bf16), so QK would not lose instructions, and p @ V would
+ * take bf16 weights, rounding them (and denormals flushed). A later dev box (2-core AMD EPYC,
+ * AVX-512 with BF16; 256K cells, measure_cpu_attention, median of 7): int8 8.7 / 15.9 GB/s on
+ * 1 / 2 threads, bf16 16.8 / 30.1: the same cells per second, so per-cell instructions, not
+ * bytes, bound int8 there.
  *
  * Measured on the H200 host (16 cores, the tactics' 15 threads, the pinned tail read in place;
  * experiments/tactics_bench.py): 78-86 GB/s, 0.81-0.89 of its measured read bandwidth
