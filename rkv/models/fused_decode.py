@@ -24,8 +24,9 @@ Here, for a decode step (``T <= rkv.attention.MAX_DECODE_QUERIES`` new cells), r
   program right after ``head_i``, its wait program right before ``head_{i+1}`` (or the close),
   the partial bit for bit the worker's; a step whose append fills a tile keeps the worker. Five
   dispatches a layer (the puts, ``head_i``, start, ``device_i``, wait) where the general path
-  with the share has about nine; unmeasured on the GPU (session 19 built it after its device
-  time was spent).
+  with the share has about nine. Measured on H100s only (session 21, 1M int8 with a 4 and a 10
+  GiB tail, ``benchmarks/results/beyond_hbm/session21/``, docs/DESIGN.md §6): 14-23% slower than
+  the general path with the share; on the H200 unmeasured.
 
 The last rolling layer's partials are closed by a program that merges them and runs its
 ``post_attention``. The cells attended are the general path's, in the same tactic split; only

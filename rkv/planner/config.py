@@ -53,9 +53,10 @@ class ResidencyConfig:
   ``host_share``: whether the CPU shares are planned with the fixed cost of rkv.offload.host_share's
   C++ thread (:meth:`Profile.for_host_share`: the probe's ``share_overhead_us``, else an estimate,
   two small copies a call) rather than the profile's fitted one; None (default): only when
-  ``$RKV_HOST_SHARE=1`` is set by name when the plan is made. Decode steps run the share by default on a GPU either way
-  (``host_share.default_on``); the estimate stays opt-in because on the H200 the splits it moved
-  toward the CPU ran slower (session 24: 128K half 6.85 against 7.87 tok/s).
+  ``$RKV_HOST_SHARE=1`` is set by name when the plan is made. Decode steps run the share by
+  default on a GPU either way (``host_share.default_on``); the estimate stays opt-in because on
+  the H200 the splits it moved toward the CPU ran slower (session 24: 128K half 6.85 against
+  7.87 tok/s).
   """
 
   mode: str = "auto"
