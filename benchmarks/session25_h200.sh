@@ -5,8 +5,11 @@
 # (session 24's H200 at the same splits: 2M int8 x1.39, 1M hybrid x1.04, 128K half x1.03); 2M
 # int8 near its 7.95 tok/s bound on a host like the table's (the worker ran 6.63 there).
 # Not run in session 25 (none of ten H200 starts and three H100 starts came) nor in session 26
-# (none of ten H200 starts and two H100 starts came; four more asks met the 10-minute lock-out):
-# the sessions' device time went to the failed starts, so every part is still to run; part a first.
+# (none of ten H200 starts and two H100 starts came; four more asks met the 10-minute lock-out)
+# nor in session 27 (none of ten H200 starts and four H100 starts came, nine asks met the
+# lock-out; an H100 came at the end with 378 s left: the GPU tests and two short runs of part g's
+# row, beyond_hbm/session27/): the sessions' device time went to the failed starts, so every
+# part is still to run; part a first.
 #   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker;
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
