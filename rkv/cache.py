@@ -52,6 +52,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -920,17 +921,31 @@ def save(kv: RollingKV, directory: str) -> None:
   if not isinstance(kv, RollingKV):
     raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
   validation.check_live("save", "kv", kv)  # before anything is written
+  save_atomically(directory, functools.partial(_write_save, kv), where="save", what="the cache",
+                  kind="an rkv save", names=_save_file_names())
+
+
+def save_atomically(directory: str, write: Callable[[str], None], *, where: str, what: str,
+                    kind: str, names: set[str]) -> None:
+  """The transaction every rkv saver runs (this module's ``save``, ``rkv.pool``'s session save).
+
+  Checks that ``directory`` is absent or holds nothing but files in ``names`` (it is replaced
+  whole), has ``write`` fill a fresh temporary directory beside it, and installs that in one
+  atomic step. An ``OSError`` becomes a ``ValueError`` starting with ``where`` that says the
+  previous save is unchanged; the temporary directory is removed whatever happens."""
   target = os.path.realpath(directory)
-  _check_replaceable(target, directory)
+  _check_replaceable(target, directory, where=where, kind=kind, names=names)
   parent, base = os.path.split(target)
   tmp = None
   try:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
-    _write_save(kv, tmp)
+    write(tmp)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a save is as readable as any new dir
+    _fsync_dir(tmp)  # the files' names, before the rename makes them the save
     _install(tmp, target)
   except OSError as e:
-    raise ValueError(f"save: could not save the cache to {directory!r} ({e}); the previous save "
+    raise ValueError(f"{where}: could not save {what} to {directory!r} ({e}); the previous save "
                      f"there, if any, is unchanged") from e
   finally:
     if tmp is not None:  # the unfinished save, or the previous one after an exchange
@@ -942,15 +957,16 @@ def _save_file_names() -> set[str]:
   return {"manifest.json", "manifest.json.tmp"} | {f"{n}.bin" for n in _ARRAY_NAMES}
 
 
-def _check_replaceable(target: str, directory: str) -> None:
-  """``target`` is absent, or a directory holding nothing but an rkv save (it is replaced whole)."""
+def _check_replaceable(target: str, directory: str, *, where: str, kind: str,
+                       names: set[str]) -> None:
+  """``target`` is absent, or a directory holding nothing but a save (it is replaced whole)."""
   if not os.path.lexists(target):
     return
   if not os.path.isdir(target):
-    raise ValueError(f"save: directory {directory!r} exists and is not a directory")
-  foreign = sorted(set(os.listdir(target)) - _save_file_names())
+    raise ValueError(f"{where}: directory {directory!r} exists and is not a directory")
+  foreign = sorted(set(os.listdir(target)) - names)
   if foreign:
-    raise ValueError(f"save: directory {directory!r} holds {foreign[:5]} besides an rkv save; a "
+    raise ValueError(f"{where}: directory {directory!r} holds {foreign[:5]} besides {kind}; a "
                      f"save replaces the whole directory, so it refuses to delete them: save into "
                      f"a new or empty directory")
 
@@ -988,8 +1004,6 @@ def _write_save(kv: RollingKV, out: str) -> None:
     json.dump(manifest, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
-  os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700; a save is as readable as any new dir
-  _fsync_dir(out)
 
 
 def _umask() -> int:
@@ -1059,12 +1073,8 @@ def _file_crc(path: str, chunk: int = 1 << 26) -> int:
   return crc
 
 
-# The atomic-save machinery, public for the other savers (rkv.pool's session save): install a
-# finished temporary directory in one step, fsync a directory, a file's CRC-32, the umask.
-install_save = _install
-fsync_dir = _fsync_dir
+# A file's CRC-32, public for the other savers' loads (rkv.pool's session save).
 file_crc32 = _file_crc
-current_umask = _umask
 
 
 def read_manifest(directory: str, fmt: str, version: int, *, where: str,

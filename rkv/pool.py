@@ -53,8 +53,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 import zlib
 from typing import ClassVar
 
@@ -703,21 +701,8 @@ class Pool:
       raise ValueError("Pool.save: a step is pending (commit it first)")
     for i, c in enumerate(self.caches):
       validation.check_live("Pool.save", f"caches[{i}]", c)
-    target = os.path.realpath(directory)
-    _check_replaceable(target, directory)
-    parent, base = os.path.split(target)
-    tmp = None
-    try:
-      os.makedirs(parent, exist_ok=True)
-      tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
-      self._write_save(tmp)
-      cache_lib.install_save(tmp, target)
-    except OSError as e:
-      raise ValueError(f"Pool.save: could not save the session to {directory!r} ({e}); the "
-                       f"previous save there, if any, is unchanged") from e
-    finally:
-      if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    cache_lib.save_atomically(directory, self._write_save, where="Pool.save", what="the session",
+                              kind="a pool save", names=_SAVE_FILES)
 
   def _write_save(self, out: str) -> None:
     used_rows = sorted({r for s in self.seqs.values() for r in s.rows})
@@ -762,8 +747,6 @@ class Pool:
       json.dump(manifest, f)
       f.flush()
       os.fsync(f.fileno())
-    os.chmod(out, 0o777 & ~cache_lib.current_umask())
-    cache_lib.fsync_dir(out)
 
   @classmethod
   def load(cls, directory: str, config, *, device_rows: int, host_pages: int,
@@ -889,17 +872,6 @@ def _prefix_table(s: _Seq, length: int) -> tuple[list, list]:
     left -= take
   rows = list(s.rows[:max(left, 0)])
   return pages, rows
-
-
-def _check_replaceable(target: str, directory: str) -> None:
-  if not os.path.lexists(target):
-    return
-  if not os.path.isdir(target):
-    raise ValueError(f"Pool.save: directory {directory!r} exists and is not a directory")
-  foreign = sorted(set(os.listdir(target)) - _SAVE_FILES)
-  if foreign:
-    raise ValueError(f"Pool.save: directory {directory!r} holds {foreign[:5]} besides a pool "
-                     f"save; a save replaces the whole directory, so it refuses to delete them")
 
 
 def _read_save(directory, config, verify, where):

@@ -5,6 +5,7 @@ write through to resident slots, and a save/load; the residency map is consisten
 step and the counters add up."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -268,3 +269,43 @@ def test_pinned_and_numpy_stores_read_the_same():
     assert a.last_step == b.last_step
     _check_slots(a)
   assert any(isinstance(key, int) for key in a.store.staging)  # a bucket's pinned staging
+
+
+def _two_block_caches():
+  """Two caches of one layout with different cells, so which save is on disk is clear."""
+  rng = np.random.default_rng(4)
+  mk = lambda: sparse.BlockCache.from_arrays(
+      *(jnp.asarray(rng.standard_normal((B, 30, KH, D)).astype(np.float32)) for _ in range(2)),
+      config=CFG, capacity=64, dtype="bfloat16")
+  return mk(), mk()
+
+
+def _assert_block_save_holds(directory, kv):
+  loaded = sparse.load(str(directory))
+  assert loaded.fill == kv.fill
+  np.testing.assert_array_equal(loaded.store.kv, kv.store.kv)
+  np.testing.assert_array_equal(loaded.store.pos, kv.store.pos)
+
+
+def test_block_cache_save_keeps_what_is_there(tmp_path, monkeypatch):
+  """The block cache's save runs rkv.cache's transaction. Before it did, saving into a directory
+  of the user's deleted the user's files, and a failed save surfaced as a bare OSError."""
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"holds \['notes.txt'\] besides a block cache save"):
+    sparse.save(_two_block_caches()[0], str(tmp_path))
+  assert os.listdir(tmp_path) == ["notes.txt"]
+  old, new = _two_block_caches()
+  directory = tmp_path / "blocks"
+  sparse.save(old, str(directory))
+
+  def full(fd):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(os, "fsync", full)
+  with pytest.raises(ValueError, match="rkv.sparse.save: could not save.*No space left.*"
+                                       "previous save there.*unchanged"):
+    sparse.save(new, str(directory))
+  monkeypatch.undo()
+  _assert_block_save_holds(directory, old)
+  assert [x for x in os.listdir(tmp_path) if x.startswith(".blocks.")] == []
+  sparse.save(new, str(directory))  # and the next save replaces it
+  _assert_block_save_holds(directory, new)

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import json
 import os
-import tempfile
 from typing import ClassVar
 
 import jax
@@ -761,33 +760,36 @@ def _fill_slots(k_slots, v_slots, slot_pos, k_scale_slots, v_scale_slots, slots,
 # Save / load: the host store (the authoritative copy) and the fill; residency starts cold
 # ----------------------------------------------------------------------------------------------
 def save(kv: BlockCache, directory: str) -> None:
-  """Writes the host store and fill to ``directory``, installed atomically (as rkv.cache.save:
-  written aside, then swapped in). Residency is not saved: a loaded cache starts cold and its
-  fetches bring the same bytes back."""
-  directory = os.path.abspath(directory)
-  parent = os.path.dirname(directory)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".rkv-blocks-", dir=parent)
-  try:
-    st = kv.store
-    arrays = dict(kv=st.kv, pos=st.pos)
-    if st.scale is not None:
-      arrays["scale"] = st.scale
-    for name, x in arrays.items():
-      np.save(os.path.join(tmp, f"{name}.npy"), x.view(np.uint16) if x.dtype.name == "bfloat16"
-              else x)
-    manifest = dict(format=FORMAT, version=FORMAT_VERSION, fill=kv.fill, dtype=kv.dtype.name,
-                    config=dataclasses.asdict(kv.config),
-                    arrays={n: list(x.shape) for n, x in arrays.items()})
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-      json.dump(manifest, f)
+  """Writes the host store and fill to ``directory``, atomically and under the same rules as
+  rkv.cache.save (written aside, then swapped in; a directory holding anything besides a block
+  cache save is refused, not emptied; an ``OSError`` becomes a ``ValueError`` that says the
+  previous save is unchanged). Residency is not saved: a loaded cache starts cold and its fetches
+  bring the same bytes back."""
+  _cache.save_atomically(directory, functools.partial(_write_save, kv), where="rkv.sparse.save",
+                         what="the block cache", kind="a block cache save", names=_SAVE_FILES)
+
+
+_SAVE_FILES = {"manifest.json", "kv.npy", "pos.npy", "scale.npy"}
+
+
+def _write_save(kv: BlockCache, out: str) -> None:
+  """The arrays, then the manifest, into the fresh directory ``out``; each file fsynced."""
+  st = kv.store
+  arrays = dict(kv=st.kv, pos=st.pos)
+  if st.scale is not None:
+    arrays["scale"] = st.scale
+  for name, x in arrays.items():
+    with open(os.path.join(out, f"{name}.npy"), "xb") as f:
+      np.save(f, x.view(np.uint16) if x.dtype.name == "bfloat16" else x)
       f.flush()
       os.fsync(f.fileno())
-    _cache._install(tmp, directory)
-  finally:
-    if os.path.isdir(tmp):
-      import shutil
-      shutil.rmtree(tmp, ignore_errors=True)
+  manifest = dict(format=FORMAT, version=FORMAT_VERSION, fill=kv.fill, dtype=kv.dtype.name,
+                  config=dataclasses.asdict(kv.config),
+                  arrays={n: list(x.shape) for n, x in arrays.items()})
+  with open(os.path.join(out, "manifest.json"), "x") as f:
+    json.dump(manifest, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def load(directory: str, *, config: BlockCacheConfig | None = None) -> BlockCache:
