@@ -1077,11 +1077,12 @@ def _file_crc(path: str, chunk: int = 1 << 26) -> int:
 file_crc32 = _file_crc
 
 
-def read_manifest(directory: str, fmt: str, version: int, *, where: str,
+def read_manifest(directory: str, fmt: str, version: int | tuple[int, ...], *, where: str,
                   what: str) -> tuple[str, dict]:
-  """``(path, manifest)`` of ``directory/manifest.json`` (a cache's or a pool's save), after
-  checking it is JSON of format ``fmt`` at ``version``; ``ValueError`` naming the file otherwise
-  (``what``: the kind of save, for the message)."""
+  """``(path, manifest)`` of ``directory/manifest.json`` (a cache's, a pool's or a block cache's
+  save), after checking it is JSON of format ``fmt`` at ``version`` (or one of them);
+  ``ValueError`` naming the file otherwise (``what``: the kind of save, for the message)."""
+  versions = (version,) if isinstance(version, int) else tuple(version)
   path = os.path.join(directory, "manifest.json")
   if not os.path.isfile(path):
     raise ValueError(f"{where}: {directory!r} has no manifest.json: not {what}")
@@ -1093,9 +1094,9 @@ def read_manifest(directory: str, fmt: str, version: int, *, where: str,
   if not isinstance(manifest, dict) or manifest.get("format") != fmt:
     raise ValueError(f"{where}: {path} is not an {fmt} manifest (format="
                      f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-  if manifest.get("version") != version:
+  if manifest.get("version") not in versions:
     raise ValueError(f"{where}: {path} has format version {manifest.get('version')!r}, this rkv "
-                     f"reads version {version}")
+                     f"reads version {' or '.join(map(str, versions))}")
   return path, manifest
 
 

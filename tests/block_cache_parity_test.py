@@ -309,3 +309,64 @@ def test_block_cache_save_keeps_what_is_there(tmp_path, monkeypatch):
   assert [x for x in os.listdir(tmp_path) if x.startswith(".blocks.")] == []
   sparse.save(new, str(directory))  # and the next save replaces it
   _assert_block_save_holds(directory, new)
+
+
+def test_block_cache_load_trusts_nothing(tmp_path):
+  """A truncated, flipped, missing or foreign file, or a malformed manifest, fails with a
+  ValueError naming it, never a silently different cache; a v1 save (no CRCs) still loads."""
+  import json
+  import shutil
+  kv = _two_block_caches()[0]
+  good = tmp_path / "good"
+  sparse.save(kv, str(good))
+
+  def broken(name, damage):
+    d = tmp_path / name
+    shutil.copytree(good, d)
+    damage(d)
+    return str(d)
+
+  def flip(d):
+    with open(d / "kv.npy", "r+b") as f:
+      f.seek(-7, 2)
+      byte = f.read(1)
+      f.seek(-7, 2)
+      f.write(bytes([byte[0] ^ 0x10]))
+  def truncate(d):
+    with open(d / "pos.npy", "r+b") as f:
+      f.truncate(os.path.getsize(d / "pos.npy") - 4)
+  def edit(change):
+    def damage(d):
+      m = json.loads((d / "manifest.json").read_text())
+      change(m)
+      (d / "manifest.json").write_text(json.dumps(m))
+    return damage
+  def foreign_dtype(d):  # same size and shape as the manifest says, other dtype: pos as float32
+    np.save(d / "pos.npy", np.load(d / "pos.npy").astype(np.float32))
+    m = json.loads((d / "manifest.json").read_text())
+    del m["arrays"]["pos"]["crc32"]
+    m["arrays"]["pos"] = m["arrays"]["pos"]["shape"]  # a v1 entry: no size or CRC to catch it
+    m["version"] = 1
+    (d / "manifest.json").write_text(json.dumps(m))
+
+  cases = [
+      ("flipped", flip, r"kv.npy fails its CRC-32 check"),
+      ("truncated", truncate, r"pos.npy has \d+ bytes, the manifest says \d+: truncated"),
+      ("missing", lambda d: os.remove(d / "kv.npy"), r"missing array file .*kv.npy"),
+      ("no_fill", edit(lambda m: m.pop("fill")),
+       r"missing or has a malformed field: KeyError\('fill'\)"),
+      ("bad_fill", edit(lambda m: m.update(fill=10**6)), r"fill=1000000, outside"),
+      ("version", edit(lambda m: m.update(version=9)), r"format version 9, this rkv reads "
+                                                        r"version 1 or 2"),
+      ("foreign_dtype", foreign_dtype, r"pos.npy holds float32.*stores int32.*foreign file"),
+  ]
+  for name, damage, match in cases:
+    with pytest.raises(ValueError, match=f"rkv.sparse.load: .*{match}"):
+      sparse.load(broken(name, damage))
+  sparse.load(broken("flipped_unverified", flip), verify=False)  # verify=False reads it as is
+
+  def as_v1(d):  # the format before sizes and CRCs: arrays maps each name to its shape
+    m = json.loads((d / "manifest.json").read_text())
+    m.update(version=1, arrays={n: s["shape"] for n, s in m["arrays"].items()})
+    (d / "manifest.json").write_text(json.dumps(m))
+  _assert_block_save_holds(broken("v1", as_v1), kv)

@@ -53,7 +53,8 @@ from rkv.offload import memory as _memory
 from rkv.sparse import blocks as _blocks
 
 FORMAT = "rkv.sparse.BlockCache"
-FORMAT_VERSION = 1
+# v2 records each file's size and CRC-32 (checked on load); v1 saves still load, unchecked.
+FORMAT_VERSION = 2
 KV_DTYPES = ("bfloat16", "float16", "float32", "int8")
 
 
@@ -773,59 +774,92 @@ _SAVE_FILES = {"manifest.json", "kv.npy", "pos.npy", "scale.npy"}
 
 
 def _write_save(kv: BlockCache, out: str) -> None:
-  """The arrays, then the manifest, into the fresh directory ``out``; each file fsynced."""
+  """The arrays, then the manifest (each file's shape, size and CRC-32), into the fresh directory
+  ``out``; each file fsynced."""
   st = kv.store
   arrays = dict(kv=st.kv, pos=st.pos)
   if st.scale is not None:
     arrays["scale"] = st.scale
+  specs = {}
   for name, x in arrays.items():
-    with open(os.path.join(out, f"{name}.npy"), "xb") as f:
+    path = os.path.join(out, f"{name}.npy")
+    with open(path, "xb") as f:
       np.save(f, x.view(np.uint16) if x.dtype.name == "bfloat16" else x)
       f.flush()
       os.fsync(f.fileno())
+    specs[name] = dict(shape=list(x.shape), bytes=os.path.getsize(path),
+                       crc32=_cache.file_crc32(path))
   manifest = dict(format=FORMAT, version=FORMAT_VERSION, fill=kv.fill, dtype=kv.dtype.name,
-                  config=dataclasses.asdict(kv.config),
-                  arrays={n: list(x.shape) for n, x in arrays.items()})
+                  config=dataclasses.asdict(kv.config), arrays=specs)
   with open(os.path.join(out, "manifest.json"), "x") as f:
     json.dump(manifest, f)
     f.flush()
     os.fsync(f.fileno())
 
 
-def load(directory: str, *, config: BlockCacheConfig | None = None) -> BlockCache:
+def load(directory: str, *, config: BlockCacheConfig | None = None,
+         verify: bool = True) -> BlockCache:
   """Reads a cache written by :func:`save` (``config``: the saved one unless given; its
-  ``block_cells`` must match)."""
+  ``block_cells`` must match). ``verify`` checks each file's CRC-32 (reads every byte once; saves
+  of format v1 carry none). A missing, truncated, foreign or corrupted file, or a malformed
+  manifest, raises ``ValueError`` naming it."""
   where = "rkv.sparse.load"
-  path = os.path.join(directory, "manifest.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{where}: {directory!r} has no manifest.json: not a block cache directory")
-  with open(path) as f:
-    m = json.load(f)
-  if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != FORMAT_VERSION:
-    raise ValueError(f"{where}: {path} is not a {FORMAT} v{FORMAT_VERSION} manifest")
-  saved = BlockCacheConfig(**m["config"])
-  config = saved if config is None else config
-  if config.block_cells != saved.block_cells:
-    raise ValueError(f"{where}: config.block_cells={config.block_cells} must equal the saved "
-                     f"{saved.block_cells}")
-  dt = _cache.check_kv_dtype(m["dtype"], where, "manifest dtype")
-  arrays = {}
-  for name, shape in m["arrays"].items():
-    x = np.load(os.path.join(directory, f"{name}.npy"))
-    if dt.name == "bfloat16" and name == "kv":
-      x = x.view(dt)
-    if list(x.shape) != shape:
-      raise ValueError(f"{where}: {name}.npy has shape {list(x.shape)}, manifest says {shape}")
-    arrays[name] = x
+  path, m = _cache.read_manifest(directory, FORMAT, (1, FORMAT_VERSION), where=where,
+                                 what="a block cache directory")
+  try:
+    saved = BlockCacheConfig(**m["config"])
+    config = saved if config is None else config
+    if config.block_cells != saved.block_cells:
+      raise ValueError(f"{where}: config.block_cells={config.block_cells} must equal the saved "
+                       f"{saved.block_cells}")
+    dt = _cache.check_kv_dtype(m["dtype"], where, "manifest dtype")
+    names = ("kv", "pos", "scale") if dt == np.dtype(np.int8) else ("kv", "pos")
+    arrays = {name: _read_array(directory, name, m["arrays"][name], verify, where)
+              for name in names}
+    fill = int(m["fill"])
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{where}: {path} is missing or has a malformed field: {e!r}") from e
+  if dt.name == "bfloat16" and arrays["kv"].dtype == np.uint16:  # saved as its bits
+    arrays["kv"] = arrays["kv"].view(dt)
+  if arrays["kv"].ndim != 6 or arrays["kv"].shape[3] != config.block_cells:
+    raise ValueError(f"{where}: kv.npy has shape {list(arrays['kv'].shape)}, a block cache's is "
+                     f"[B, n_blocks, 2, {config.block_cells}, K, D]: foreign file")
   b, nb, _, bs, kh, d = arrays["kv"].shape
+  if not 0 <= fill <= nb * bs:
+    raise ValueError(f"{where}: {path} has fill={fill}, outside the saved capacity {nb * bs}")
   kv = BlockCache.empty(b, nb * bs, kh, d, config=config, dtype=dt)
   st = kv.store
+  for name, x in arrays.items():  # a foreign file's dtype would be cast silently by the copy
+    want = getattr(st, name)
+    if x.dtype != want.dtype or x.shape != want.shape:
+      raise ValueError(f"{where}: {name}.npy holds {x.dtype}{list(x.shape)}, a cache of this "
+                       f"manifest stores {want.dtype}{list(want.shape)}: foreign file")
   st.kv[...] = arrays["kv"]
   st.pos[...] = arrays["pos"]
   if st.scale is not None:
     st.scale[...] = arrays["scale"]
-  fill = int(m["fill"])
   keys = st.kv[:, :, 0].reshape(b, nb * bs, kh, d)
   ks = None if st.scale is None else st.scale[:, :, 0].reshape(b, nb * bs, kh)
   summ = _blocks.summarize(keys, st.pos.reshape(b, nb * bs), block_cells=bs, k_scale=ks)
   return dataclasses.replace(kv, k_min=summ.k_min, k_max=summ.k_max, fill=fill)
+
+
+def _read_array(directory: str, name: str, spec, verify: bool, where: str) -> np.ndarray:
+  """``name.npy``, checked against its manifest entry (v2: shape, size, CRC-32; v1: the shape)."""
+  fpath = os.path.join(directory, f"{name}.npy")
+  if not os.path.isfile(fpath):
+    raise ValueError(f"{where}: missing array file {fpath}")
+  shape = spec["shape"] if isinstance(spec, dict) else spec
+  if isinstance(spec, dict):
+    if os.path.getsize(fpath) != int(spec["bytes"]):
+      raise ValueError(f"{where}: {fpath} has {os.path.getsize(fpath)} bytes, the manifest says "
+                       f"{int(spec['bytes'])}: truncated or foreign file")
+    if verify and _cache.file_crc32(fpath) != int(spec["crc32"]):
+      raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
+  try:
+    x = np.load(fpath, allow_pickle=False)
+  except (ValueError, OSError, EOFError) as e:
+    raise ValueError(f"{where}: {fpath} is not a readable .npy file ({e})") from e
+  if list(x.shape) != list(shape):
+    raise ValueError(f"{where}: {fpath} has shape {list(x.shape)}, the manifest says {shape}")
+  return x
