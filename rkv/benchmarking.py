@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import jax
 
+from rkv import atomic_io
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -129,8 +131,8 @@ def check_output_path(path: str | None, flag: str = "out", *, directory: bool = 
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
+  """``payload`` as JSON at ``path``, atomically: a failure keeps the results already there."""
+  with atomic_io.write_file_atomically(path) as f:
     json.dump(payload, f, indent=1, sort_keys=False, default=str)
     f.write("\n")
 

@@ -43,22 +43,18 @@ used afterwards (the usual in-place KV cache contract; the returned cache is the
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import functools
 import json
 import os
-import shutil
-import tempfile
 import zlib
-from collections.abc import Callable
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import atomic_io
 from rkv import tactics
 from rkv import validation
 from rkv.offload import memory
@@ -921,62 +917,13 @@ def save(kv: RollingKV, directory: str) -> None:
   if not isinstance(kv, RollingKV):
     raise ValueError(f"save: kv must be a RollingKV, got {type(kv).__name__}")
   validation.check_live("save", "kv", kv)  # before anything is written
-  save_atomically(directory, functools.partial(_write_save, kv), where="save", what="the cache",
-                  kind="an rkv save", names=_save_file_names())
-
-
-def save_atomically(directory: str, write: Callable[[str], None], *, where: str, what: str,
-                    kind: str, names: set[str]) -> None:
-  """The transaction every rkv saver runs (this module's ``save``, ``rkv.pool``'s session save).
-
-  Checks that ``directory`` is absent or holds nothing but files in ``names`` (it is replaced
-  whole), has ``write`` fill a fresh temporary directory beside it, and installs that in one
-  atomic step. An ``OSError`` becomes a ``ValueError`` starting with ``where`` that says the
-  previous save is unchanged; the temporary directory is removed whatever happens."""
-  target = os.path.realpath(directory)
-  _check_replaceable(target, directory, where=where, kind=kind, names=names)
-  parent, base = os.path.split(target)
-  tmp = None
-  try:
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.saving-", dir=parent)
-    write(tmp)
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a save is as readable as any new dir
-    _fsync_dir(tmp)  # the files' names, before the rename makes them the save
-    _install(tmp, target)
-  except OSError as e:
-    raise ValueError(f"{where}: could not save {what} to {directory!r} ({e}); the previous save "
-                     f"there, if any, is unchanged") from e
-  finally:
-    if tmp is not None:  # the unfinished save, or the previous one after an exchange
-      shutil.rmtree(tmp, ignore_errors=True)
+  atomic_io.save_atomically(directory, functools.partial(_write_save, kv), where="save",
+                            what="the cache", kind="an rkv save", names=_save_file_names())
 
 
 def _save_file_names() -> set[str]:
   # manifest.json.tmp: the temporary manifest of saves before atomic saving.
   return {"manifest.json", "manifest.json.tmp"} | {f"{n}.bin" for n in _ARRAY_NAMES}
-
-
-def _check_replaceable(target: str, directory: str, *, where: str, kind: str,
-                       names: set[str]) -> None:
-  """``target`` is absent, or a directory holding nothing but a save (it is replaced whole)."""
-  if not os.path.lexists(target):
-    return
-  if not os.path.isdir(target):
-    raise ValueError(f"{where}: directory {directory!r} exists and is not a directory")
-  foreign = sorted(set(os.listdir(target)) - names)
-  if foreign:
-    raise ValueError(f"{where}: directory {directory!r} holds {foreign[:5]} besides {kind}; a "
-                     f"save replaces the whole directory, so it refuses to delete them: save into "
-                     f"a new or empty directory")
-
-
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def _write_save(kv: RollingKV, out: str) -> None:
@@ -1004,77 +951,6 @@ def _write_save(kv: RollingKV, out: str) -> None:
     json.dump(manifest, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
-
-
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: str, b: str) -> bool:
-  """Atomically swaps the directories ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-  False where that is not available (another OS, an old libc, a filesystem that refuses it)."""
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = libc.renameat2
-  except (OSError, AttributeError):
-    return False
-  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                        ctypes.c_uint]
-  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-    return True
-  err = ctypes.get_errno()
-  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-    return False
-  raise OSError(err, os.strerror(err), b)
-
-
-def _install(tmp: str, target: str) -> None:
-  """Puts the finished save ``tmp`` at ``target`` in one atomic step; afterwards ``tmp`` is gone
-  or holds the previous save (the caller removes it)."""
-  for _ in range(8):  # concurrent savers may move target between the steps: try again
-    try:
-      os.rename(tmp, target)  # target absent, or an empty directory (POSIX replaces it)
-      break
-    except OSError as e:
-      if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-        raise
-    try:
-      if _exchange(tmp, target):
-        break
-    except FileNotFoundError:
-      continue  # another saver moved target away: the plain rename may work now
-    # No atomic exchange here: move the previous save aside first. A crash between the two
-    # renames leaves it in the aside directory, not at target.
-    aside = tmp + ".previous"
-    try:
-      os.rename(target, aside)
-    except FileNotFoundError:
-      continue
-    os.rename(tmp, target)
-    os.rename(aside, tmp)  # the caller removes it
-    break
-  else:
-    raise OSError(errno.EBUSY, "other saves kept replacing it", target)
-  _fsync_dir(os.path.dirname(target))
-
-
-def _file_crc(path: str, chunk: int = 1 << 26) -> int:
-  crc = 0
-  with open(path, "rb") as f:
-    while data := f.read(chunk):
-      crc = zlib.crc32(data, crc)
-  return crc
-
-
-# A file's CRC-32, public for the other savers' loads (rkv.pool's session save).
-file_crc32 = _file_crc
 
 
 def read_manifest(directory: str, fmt: str, version: int | tuple[int, ...], *, where: str,
@@ -1134,7 +1010,7 @@ def load(directory: str, window_cells: int | None = None, *, capacity: int | Non
       if size != nbytes or int(spec["bytes"]) != nbytes:
         raise ValueError(f"{where}: {fpath} has {size} bytes, expected {nbytes}: truncated or "
                          f"foreign file")
-      if verify and _file_crc(fpath) != int(spec["crc32"]):
+      if verify and atomic_io.file_crc32(fpath) != int(spec["crc32"]):
         raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
       arrays[name] = (np.memmap(fpath, dtype=adt, mode="r", shape=shape) if nbytes else
                       np.zeros(shape, adt))

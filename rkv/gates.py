@@ -300,6 +300,7 @@ def equivalence_gate(*, checkpoint: str | None = None, preset: str | None = None
 
   from flax import nnx
 
+  from rkv import atomic_io
   from rkv import generate as gen
   from rkv import models
   from rkv.planner import ResidencyConfig
@@ -348,8 +349,7 @@ def equivalence_gate(*, checkpoint: str | None = None, preset: str | None = None
   print(gate.table())
   print("\nGATE " + ("PASSED" if gate.passed else "FAILED: " + "; ".join(gate.reasons)))
   if out:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
+    with atomic_io.write_file_atomically(out) as f:
       json.dump({"checkpoint": checkpoint, "preset": preset, "prefill_len": prefill_len,
                  "tokens_shape": list(np.shape(tokens)), **gate.as_dict()}, f, indent=2)
   return gate

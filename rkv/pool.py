@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import atomic_io
 from rkv import cache as cache_lib
 from rkv import planner
 from rkv import validation
@@ -701,8 +702,8 @@ class Pool:
       raise ValueError("Pool.save: a step is pending (commit it first)")
     for i, c in enumerate(self.caches):
       validation.check_live("Pool.save", f"caches[{i}]", c)
-    cache_lib.save_atomically(directory, self._write_save, where="Pool.save", what="the session",
-                              kind="a pool save", names=_SAVE_FILES)
+    atomic_io.save_atomically(directory, self._write_save, where="Pool.save",
+                              what="the session", kind="a pool save", names=_SAVE_FILES)
 
   def _write_save(self, out: str) -> None:
     used_rows = sorted({r for s in self.seqs.values() for r in s.rows})
@@ -895,7 +896,7 @@ def _read_save(directory, config, verify, where):
       if os.path.getsize(fpath) != nbytes or int(spec["bytes"]) != nbytes:
         raise ValueError(f"{where}: {fpath} has {os.path.getsize(fpath)} bytes, expected "
                          f"{nbytes}: truncated or foreign file")
-      if verify and cache_lib.file_crc32(fpath) != int(spec["crc32"]):
+      if verify and atomic_io.file_crc32(fpath) != int(spec["crc32"]):
         raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
       out.append(np.fromfile(fpath, dtype=dt).reshape(shape) if nbytes else np.zeros(shape, dt))
   except (KeyError, TypeError) as e:

@@ -124,13 +124,13 @@ def _leftovers(directory):
 def _fail_fsync(monkeypatch):
   def full(fd):
     raise OSError(28, "No space left on device")
-  monkeypatch.setattr(rkv.cache.os, "fsync", full)
+  monkeypatch.setattr(os, "fsync", full)
 
 
 def _fail_mkdtemp(monkeypatch):
   def denied(*a, **kw):
     raise PermissionError(13, "Permission denied")
-  monkeypatch.setattr(rkv.cache.tempfile, "mkdtemp", denied)
+  monkeypatch.setattr(rkv.atomic_io.tempfile, "mkdtemp", denied)
 
 
 def _fail_second_array(monkeypatch):
@@ -165,7 +165,7 @@ def test_exception_midway_keeps_the_previous_one(tmp_path, monkeypatch):
   old, new = _two_caches()
   directory = tmp_path / "cache"
   rkv.cache.save(old, str(directory))
-  monkeypatch.setattr(rkv.cache, "_install", lambda tmp, target: 1 / 0)
+  monkeypatch.setattr(rkv.atomic_io, "install", lambda tmp, target: 1 / 0)
   with pytest.raises(ZeroDivisionError):
     rkv.cache.save(new, str(directory))
   monkeypatch.undo()
@@ -213,13 +213,13 @@ def test_concurrent_saves_each_install_a_whole_save(tmp_path, monkeypatch):
   directory = tmp_path / "cache"
   rkv.cache.save(a, str(directory))
   barrier = threading.Barrier(2, timeout=60)
-  real = rkv.cache._install
+  real = rkv.atomic_io.install
   temps = []
   def install(tmp, target):
     temps.append(tmp)
     barrier.wait()
     real(tmp, target)
-  monkeypatch.setattr(rkv.cache, "_install", install)
+  monkeypatch.setattr(rkv.atomic_io, "install", install)
   errors = []
   def run(kv):
     try:
@@ -236,6 +236,44 @@ def test_concurrent_saves_each_install_a_whole_save(tmp_path, monkeypatch):
   assert any(np.array_equal(loaded, kv.cells()["k"]) for kv in (a, b))
   _assert_holds(directory, a if np.array_equal(loaded, a.cells()["k"]) else b)
   assert _leftovers(directory) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# One-file writes (checkpoints, profiles, results JSON) are atomic too
+# ----------------------------------------------------------------------------------------------
+def _writing_leftovers(folder):
+  return [x for x in os.listdir(folder) if ".writing-" in x]
+
+
+def test_failed_file_writes_keep_the_previous_file(tmp_path, monkeypatch):
+  # Before: save_safetensors, write_json and Profile.save wrote the target in place (the profile
+  # through one fixed ".tmp" name), so a failure midway left a truncated checkpoint or result.
+  from rkv import benchmarking
+  from rkv.planner import Profile
+  ckpt, out, prof = (str(tmp_path / n) for n in ("m.safetensors", "r.json", "p.json"))
+  w = np.arange(12, dtype=np.float32).reshape(3, 4)
+  models.save_safetensors(ckpt, {"w": w})
+  benchmarking.write_json(out, {"rows": [1, 2]})
+  profile = Profile(pcie_gbps=50.0, d2h_gbps=50.0, hbm_gbps=1000.0)
+  profile.save(prof)
+  mode = 0o666 & ~rkv.atomic_io._umask()
+  assert {os.stat(p).st_mode & 0o777 for p in (ckpt, out, prof)} == {mode}  # as a new file's
+
+  def full(fd):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(os, "fsync", full)
+  with pytest.raises(OSError, match="No space left"):
+    models.save_safetensors(ckpt, {"w": np.zeros((5, 5), np.float32)})
+  with pytest.raises(OSError, match="No space left"):
+    Profile(pcie_gbps=1.0, d2h_gbps=1.0, hbm_gbps=1.0).save(prof)
+  monkeypatch.undo()
+  with pytest.raises(TypeError, match="keys must be"):  # json.dump fails after writing a part
+    benchmarking.write_json(out, {"rows": [3], "bad": {(1, 2): 0}})
+  np.testing.assert_array_equal(models.read_safetensors(ckpt)["w"], w)
+  with open(out) as f:
+    assert f.read() == '{\n "rows": [\n  1,\n  2\n ]\n}\n'
+  assert Profile.load(prof).pcie_gbps == 50.0
+  assert _writing_leftovers(tmp_path) == []
 
 
 def test_save_refuses_to_replace_a_directory_holding_other_files(tmp_path):

@@ -46,6 +46,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from rkv import atomic_io
 from rkv.models.config import DTYPES, ModelConfig
 from rkv.models.transformer import Transformer
 
@@ -178,7 +179,9 @@ def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict |
     header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as safetensors writes it
-  with open(path, "wb") as f:
+  # Aside, then renamed into place: a failure keeps the checkpoint already at path (and arrays
+  # that load_safetensors memory-mapped from it keep their bytes).
+  with atomic_io.write_file_atomically(path, binary=True) as f:
     f.write(len(blob).to_bytes(8, "little"))
     f.write(blob)
     for a in arrays:

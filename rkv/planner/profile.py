@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from rkv import atomic_io
+
 MIB = 1 << 20
 GB = 1e9
 
@@ -212,12 +214,9 @@ class Profile:
   def save(self, path: str) -> str:
     """Writes the profile as JSON (atomically); returns the path."""
     path = os.path.expanduser(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_io.write_file_atomically(path) as f:
       json.dump(self.to_json(), f, indent=1, default=str)
       f.write("\n")
-    os.replace(tmp, path)
     return path
 
   @classmethod

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rkv import atomic_io as _atomic_io
 from rkv import cache as _cache
 from rkv.attention import MAX_DECODE_QUERIES, attention
 from rkv.offload import memory as _memory
@@ -766,8 +767,9 @@ def save(kv: BlockCache, directory: str) -> None:
   cache save is refused, not emptied; an ``OSError`` becomes a ``ValueError`` that says the
   previous save is unchanged). Residency is not saved: a loaded cache starts cold and its fetches
   bring the same bytes back."""
-  _cache.save_atomically(directory, functools.partial(_write_save, kv), where="rkv.sparse.save",
-                         what="the block cache", kind="a block cache save", names=_SAVE_FILES)
+  _atomic_io.save_atomically(directory, functools.partial(_write_save, kv),
+                             where="rkv.sparse.save", what="the block cache",
+                             kind="a block cache save", names=_SAVE_FILES)
 
 
 _SAVE_FILES = {"manifest.json", "kv.npy", "pos.npy", "scale.npy"}
@@ -788,7 +790,7 @@ def _write_save(kv: BlockCache, out: str) -> None:
       f.flush()
       os.fsync(f.fileno())
     specs[name] = dict(shape=list(x.shape), bytes=os.path.getsize(path),
-                       crc32=_cache.file_crc32(path))
+                       crc32=_atomic_io.file_crc32(path))
   manifest = dict(format=FORMAT, version=FORMAT_VERSION, fill=kv.fill, dtype=kv.dtype.name,
                   config=dataclasses.asdict(kv.config), arrays=specs)
   with open(os.path.join(out, "manifest.json"), "x") as f:
@@ -854,7 +856,7 @@ def _read_array(directory: str, name: str, spec, verify: bool, where: str) -> np
     if os.path.getsize(fpath) != int(spec["bytes"]):
       raise ValueError(f"{where}: {fpath} has {os.path.getsize(fpath)} bytes, the manifest says "
                        f"{int(spec['bytes'])}: truncated or foreign file")
-    if verify and _cache.file_crc32(fpath) != int(spec["crc32"]):
+    if verify and _atomic_io.file_crc32(fpath) != int(spec["crc32"]):
       raise ValueError(f"{where}: {fpath} fails its CRC-32 check: corrupted or foreign file")
   try:
     x = np.load(fpath, allow_pickle=False)
