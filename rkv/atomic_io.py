@@ -60,8 +60,9 @@ def write_file_atomically(path: str, *, binary: bool = False) -> Iterator[IO]:
   """``with write_file_atomically(path) as f: ...`` writes ``f`` to a fresh temporary file beside
   ``path`` and, when the block ends without an exception, fsyncs it and renames it onto ``path``
   (its folder made if missing). Otherwise the temporary file is removed and ``path`` keeps what
-  it held. The file gets the mode a new file would (mkstemp makes 0600)."""
-  path = os.path.abspath(os.path.expanduser(path))
+  it held. The file gets the mode a new file would (mkstemp makes 0600). A symlink at ``path``
+  stays one: the file it points to is the one replaced, as a plain ``open(path, "w")`` would."""
+  path = os.path.realpath(os.path.expanduser(path))
   folder, base = os.path.split(path)
   os.makedirs(folder, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{base}.writing-", dir=folder)

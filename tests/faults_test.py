@@ -274,6 +274,13 @@ def test_failed_file_writes_keep_the_previous_file(tmp_path, monkeypatch):
     assert f.read() == '{\n "rows": [\n  1,\n  2\n ]\n}\n'
   assert Profile.load(prof).pcie_gbps == 50.0
   assert _writing_leftovers(tmp_path) == []
+  # A symlinked results file stays a symlink: the file it points to gets the new contents.
+  os.makedirs(tmp_path / "real")
+  os.symlink(tmp_path / "real" / "r.json", tmp_path / "link.json")
+  benchmarking.write_json(str(tmp_path / "link.json"), {"rows": []})
+  assert os.path.islink(tmp_path / "link.json")
+  with open(tmp_path / "real" / "r.json") as f:
+    assert f.read() == '{\n "rows": []\n}\n'
 
 
 def test_save_refuses_to_replace_a_directory_holding_other_files(tmp_path):
