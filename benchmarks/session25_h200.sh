@@ -13,6 +13,7 @@
 #   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker;
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
+#   bash benchmarks/session25_h200.sh a2  # a probe, part a's 2M int8 row, 2M int8 on the probe
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace;
 #                                         # 2M int8 planned on the probe with the share's cost
@@ -43,6 +44,22 @@ case "$PART" in
     host
     T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
       --sweep_env=$W0 --sweep_rounds=1
+    ;;
+  a2)
+    # Session 29, for a call with ~8 minutes left: a fresh probe (the share's fitted cost, ~15 s
+    # on an H100), part a's 2M int8 row (the table's profile, the default against the worker),
+    # then 2M int8 planned on the probe with the share's cost beside the splits around it (on an
+    # H100 in session 29 the probed plan took the fastest split, the table's profile one ~10%
+    # slower: beyond_hbm/session29/).
+    host
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 120 python3 -m experiments.probe --out=$D/profile_h200_v4.json \
+      2>&1 | q | tail -3; pack
+    T=150 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+      --sweep_env=$W0 --sweep_rounds=2
+    [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
+      T=170 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --split_cpu_tiles=2,3 --sweep_rounds=2)
     ;;
   b)
     host
