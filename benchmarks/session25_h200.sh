@@ -14,6 +14,7 @@
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
 #   bash benchmarks/session25_h200.sh a2  # a probe, part a's 2M int8 row, 2M int8 on the probe
+#   bash benchmarks/session25_h200.sh a3  # a2 in one round each
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace;
 #                                         # 2M int8 planned on the probe with the share's cost
@@ -60,6 +61,18 @@ case "$PART" in
     [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
       T=170 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
       --kv_dtype=int8 --split_cpu_tiles=2,3 --sweep_rounds=2)
+    ;;
+  a3)
+    # Part a2 in one round each, for a call with ~5 minutes left.
+    host
+    echo "== probe $(date +%T)"
+    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_h200_v4.json \
+      2>&1 | q | tail -3; pack
+    T=110 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+      --sweep_env=$W0 --sweep_rounds=1
+    [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
+      T=110 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --split_cpu_tiles=3 --sweep_rounds=1)
     ;;
   b)
     host
