@@ -18,7 +18,7 @@
 #   bash benchmarks/session25_h200.sh a3  # a2 in one round each
 #   bash benchmarks/session25_h200.sh b   # pytest -m gpu under the default; B=8; 512K half
 #   bash benchmarks/session25_h200.sh c   # a fresh probe (the share's fixed cost); 2M int8 trace;
-#                                         # 2M int8 planned on the probe with the share's cost
+#                                         # 2M int8 planned on the probe, RKV_HOST_SHARE=1
 #   bash benchmarks/session25_h200.sh g   # pytest -m gpu on any GPU, then 1M int8 (10 GiB tail)
 #   bash benchmarks/session25_h200.sh h   # an H100: probe, 1M int8 planned on it, pytest -m gpu
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
@@ -47,33 +47,23 @@ case "$PART" in
     T=120 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
       --sweep_env=$W0 --sweep_rounds=1
     ;;
-  a2)
-    # Session 29, for a call with ~8 minutes left: a fresh probe (the share's fitted cost, ~15 s
-    # on an H100), part a's 2M int8 row (the table's profile, the default against the worker),
-    # then 2M int8 planned on the probe with the share's cost beside the splits around it (on an
-    # H100 in session 29 the probed plan took the fastest split, the table's profile one ~10%
-    # slower: beyond_hbm/session29/).
+  a2|a3)
+    # Session 29, for a call with ~8 (a2) or ~5 (a3: one round each) minutes left: a fresh probe
+    # (~15 s on an H100), part a's 2M int8 row (the table's profile, the default against the
+    # worker), then 2M int8 planned on the probe beside the next split. RKV_HOST_SHARE=1 plans
+    # with the smaller of the probe's share cost and its worker cost; on an H100 in session 29
+    # the probe's rates planned the fastest split, the table's profile one ~10% slower
+    # (beyond_hbm/session29/).
+    if [ $PART = a2 ]; then R=2 TP=120 T1=150 T2=170 S=2,3; else R=1 TP=90 T1=110 T2=110 S=3; fi
     host
     echo "== probe $(date +%T)"
-    PYTHONPATH=$PWD timeout 120 python3 -m experiments.probe --out=$D/profile_h200_v4.json \
+    PYTHONPATH=$PWD timeout $TP python3 -m experiments.probe --out=$D/profile_h200_v4.json \
       2>&1 | q | tail -3; pack
-    T=150 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
-      --sweep_env=$W0 --sweep_rounds=2
+    T=$T1 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
+      --sweep_env=$W0 --sweep_rounds=$R
     [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
-      T=170 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
-      --kv_dtype=int8 --split_cpu_tiles=2,3 --sweep_rounds=2)
-    ;;
-  a3)
-    # Part a2 in one round each, for a call with ~5 minutes left.
-    host
-    echo "== probe $(date +%T)"
-    PYTHONPATH=$PWD timeout 90 python3 -m experiments.probe --out=$D/profile_h200_v4.json \
-      2>&1 | q | tail -3; pack
-    T=110 run 2m_int8 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 \
-      --sweep_env=$W0 --sweep_rounds=1
-    [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
-      T=110 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
-      --kv_dtype=int8 --split_cpu_tiles=3 --sweep_rounds=1)
+      T=$T2 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
+      --kv_dtype=int8 --split_cpu_tiles=$S --sweep_rounds=$R)
     ;;
   b)
     host
@@ -92,8 +82,9 @@ case "$PART" in
       2>&1 | q | tail -5; pack
     T=120 trace 2m_int8 --configs=beyond:2097152 --kv_dtype=int8 --warmup=2 --steps=4 \
       --trace_steps=2
-    # 2M int8 planned on the fresh probe with its measured share cost (RKV_HOST_SHARE=1), beside
-    # the splits around it and the worker: the H200's half of part h's question.
+    # 2M int8 planned on the fresh probe with RKV_HOST_SHARE=1 (the smaller of its share and
+    # worker costs), beside the splits around it and the worker: the H200's half of part h's
+    # question.
     [ -f $D/profile_h200_v4.json ] && (export RKV_HOST_SHARE=1 P=$D/profile_h200_v4.json; \
       T=170 run 2m_int8_probed --configs=rkv_offload --budget=auto --contexts=2097152 \
       --kv_dtype=int8 --split_cpu_tiles=2,3 --sweep_env=$W0 --sweep_rounds=2)
@@ -111,8 +102,9 @@ case "$PART" in
   h)
     # Where no H200 comes, on one H100: a fresh probe (with the share's fixed cost,
     # share_overhead_us), then 1M int8 with a 10 GiB tail (32 hybrid layers, like 2M int8's on
-    # the H200) planned on it with RKV_HOST_SHARE=1 (the probed share cost), beside other splits
-    # and the Python worker: does the probed cost plan the split that runs fastest? Session 24's
+    # the H200) planned on it with RKV_HOST_SHARE=1 (the smaller of the probed share and worker
+    # costs), beside other splits and the Python worker: does the probe plan the split that runs
+    # fastest? (Session 29: yes, by its rates; beyond_hbm/session29/.) Session 24's
     # H100 (estimated cost): 3 of 7 CPU tiles 8.13 tok/s, 4 9.30, the fitted cost's 2 6.63.
     host
     echo "== probe $(date +%T)"
