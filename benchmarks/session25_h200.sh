@@ -11,8 +11,9 @@
 # row, beyond_hbm/session27/) nor in session 28 (no H200 and no H100 start came) nor in session
 # 29 (ten H200 asks failed or met the lock-out; an H100 came: part g, then part h's question and
 # a trace, beyond_hbm/session29/) nor in session 30 (ten H200 starts failed, one ask met the
-# lock-out, then no machine was lent) nor in session 31 (twelve H200 starts failed): the H200
-# parts are still to run; part a (or a2, a3, a1) first.
+# lock-out, then no machine was lent) nor in session 31 (twelve H200 starts failed) nor in
+# session 32 (nine H200 starts failed, then no machine was lent): the H200 parts are still to
+# run; part a (or a2, a3, a1) first.
 #   bash benchmarks/session25_h200.sh a   # 2M int8, 1M, 128K half: default against the worker;
 #                                         # then pytest -m gpu in what is left of ten minutes
 #   bash benchmarks/session25_h200.sh a1  # part a's 2M int8 row alone (one round)
