@@ -1,5 +1,7 @@
 # Shared by the H200 scripts from session 7 on (sourced, not run): after setting D (the results
 # folder on the device), NAME (the $OUT archive's prefix) and PART, and optionally P (the profile).
+#   host              the machine's load, cores, CPU model and clocks and GPU, at
+#                     $D/host_$PART.txt (the share's speed follows the host: say which ran a row)
 #   pack              archive $D as $OUT/${NAME}_$PART.tgz (after every step: a call cut short by
 #                     its time limit still returns what finished)
 #   run TAG ARGS...   one experiments.decode_bench call, its JSON at $D/TAG.json; with SRC=DIR
@@ -15,6 +17,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 P=${P:-benchmarks/results/profile_h200_v3.json}
 mkdir -p $D/x
+host() {
+  { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1
+}
 pack() { tar czf $OUT/${NAME}_$PART.tgz -C $D . 2>/dev/null; }
 q() { grep -v -i warn | grep -v "residency.py.*layer [1-9]" | grep -v "^I1\|^W1"; }
 trace() {

@@ -30,7 +30,6 @@ source "$(dirname "$0")/h200_common.sh"
 int8_2m() {  # TAG
   T=120 run $1 --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8
 }
-host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 case "$PART" in
   a)
     host

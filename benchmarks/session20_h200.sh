@@ -64,7 +64,6 @@ int8_2m() {  # TAG [ARGS...]
   local tag=$1; shift
   T=${T:-90} run $tag --configs=rkv_offload --budget=auto --contexts=2097152 --kv_dtype=int8 "$@"
 }
-host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 share() { RKV_HOST_SHARE=1 "$@"; }
 fused_share() { RKV_FUSED_DECODE=1 RKV_HOST_SHARE=1 "$@"; }
 share_one() { RKV_TILES_ONE_PROGRAM=1 RKV_HOST_SHARE=1 "$@"; }

@@ -25,7 +25,6 @@
 # python3 -m lab.trace_timeline TRACE --layer=10.
 D=/tmp/s23_${1:-a} NAME=s23 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
-host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 SWEEP=RKV_EARLY_Q_COPY=1,RKV_WORKER_FIRST=1,RKV_SWITCH_INTERVAL_US=200,RKV_TILES_ONE_PROGRAM=1
 SWEEP=$SWEEP,RKV_EARLY_PUT_ALL=1+RKV_TILES_ONE_PROGRAM=1,RKV_HOST_SHARE=1
 SWEEP=$SWEEP,RKV_HOST_SHARE=1+RKV_TILES_ONE_PROGRAM=1

@@ -20,7 +20,6 @@
 #   bash benchmarks/session24_h200.sh c   # part b's 1M row alone
 D=/tmp/s24_${1:-a} NAME=s24 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
-host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 W0=RKV_HOST_SHARE=0
 case "$PART" in
   a)

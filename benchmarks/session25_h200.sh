@@ -26,7 +26,6 @@
 #   bash benchmarks/session25_h200.sh h   # an H100: probe, 1M int8 planned on it, pytest -m gpu
 D=/tmp/s25_${1:-a} NAME=s25 PART=${1:-a}
 source "$(dirname "$0")/h200_common.sh"
-host() { { uptime; nproc; lscpu | grep -E "Model name|MHz"; nvidia-smi -L; } > $D/host_$PART.txt 2>&1; }
 W0=RKV_HOST_SHARE=0
 case "$PART" in
   a)
